@@ -1,0 +1,376 @@
+// CPU kernels for fused ReLU + max pooling; the reference the CUDA kernels are checked against.
+//
+// Layout: (images x rows x cols x lanes), see PoolParams. Loops keep lanes innermost so that NHWC
+// channels vectorise. Work is split over (image, row) units; each unit writes a disjoint part of
+// the output and no result depends on the split, so any thread count gives identical bits.
+#include <algorithm>
+#include <atomic>
+#include <cstring>
+#include <vector>
+
+#include "relu_max_pool.h"
+
+namespace tf_relupool {
+namespace {
+
+template <typename T>
+using Acc = typename ValueTraits<T>::Acc;
+
+// Stock ReLU: v > 0 ? v : +0, NaN kept (`v <= 0` is false for NaN).
+template <typename A>
+inline A Relu(A v) {
+  return v <= A(0) ? A(0) : v;
+}
+
+// Rough cycles per element, for the runner's split.
+constexpr int64_t kCyclesPerElement = 4;
+
+// Per-window scan state for `lanes` channels, reused across windows of one work unit.
+template <typename T>
+struct WindowScan {
+  std::vector<Acc<T>> max;      // forward max, from lowest, skips NaN
+  std::vector<int32_t> pos;     // argmax (window code), stock gradient rule
+  std::vector<uint8_t> first_nan;
+
+  explicit WindowScan(int64_t lanes) : max(lanes), pos(lanes), first_nan(lanes) {}
+
+  // Scans window `win` of image `img` in z. WithArgmax also tracks positions.
+  template <bool WithArgmax>
+  void Run(const PoolParams& p, const T* __restrict z, int64_t img, const ClippedWindow& win) {
+    const int64_t L = p.lanes;
+    Acc<T>* __restrict m = max.data();
+    int32_t* __restrict ps = pos.data();
+    const Acc<T> lowest = ValueTraits<T>::Lowest();
+    for (int64_t l = 0; l < L; ++l) m[l] = lowest;
+    if (WithArgmax) {
+      for (int64_t l = 0; l < L; ++l) ps[l] = 0;
+      const T* zp = z + ((img * p.in_rows + win.row_begin) * p.in_cols + win.col_begin) * L;
+      for (int64_t l = 0; l < L; ++l) {
+        const Acc<T> v = ValueTraits<T>::ToAcc(zp[l]);
+        first_nan[l] = v != v;
+      }
+    }
+    for (int64_t h = win.row_begin; h < win.row_end; ++h) {
+      for (int64_t w = win.col_begin; w < win.col_end; ++w) {
+        const T* __restrict zp = z + ((img * p.in_rows + h) * p.in_cols + w) * L;
+        const int32_t code =
+            static_cast<int32_t>((h - win.row_begin) * p.code_pitch + (w - win.col_begin));
+        for (int64_t l = 0; l < L; ++l) {
+          const Acc<T> r = Relu(ValueTraits<T>::ToAcc(zp[l]));
+          const bool take = m[l] < r;
+          if (WithArgmax) ps[l] = take ? code : ps[l];
+          m[l] = take ? r : m[l];
+        }
+      }
+    }
+  }
+
+  // The code stored for lane l: the argmax when it holds a positive value, else the sentinel.
+  template <typename C>
+  C Code(int64_t l) const {
+    return (first_nan[l] || !(max[l] > Acc<T>(0))) ? ArgmaxSentinel<C>() : static_cast<C>(pos[l]);
+  }
+};
+
+template <typename T>
+inline T AddAcc(T a, T b) {
+  return ValueTraits<T>::FromAcc(ValueTraits<T>::ToAcc(a) + ValueTraits<T>::ToAcc(b));
+}
+// Stock ReluGrad's multiply by (relu(z) > 0 ? 1 : 0).
+template <typename T>
+inline T MaskAcc(T a, bool keep) {
+  return ValueTraits<T>::FromAcc(ValueTraits<T>::ToAcc(a) * (keep ? Acc<T>(1) : Acc<T>(0)));
+}
+
+// Input rows [*begin, *end) owned by output row `out_row` when windows are disjoint: the rows
+// from its window start to the next window's start, the first and last rows extended to the edges.
+inline void RowBand(const PoolParams& p, int64_t out_row, int64_t* begin, int64_t* end) {
+  const int64_t b = out_row * p.stride_rows - p.pad_top;
+  const int64_t e = b + p.stride_rows;
+  *begin = out_row == 0 ? 0 : std::min(std::max(b, int64_t{0}), p.in_rows);
+  *end = out_row == p.out_rows - 1 ? p.in_rows : std::min(std::max(e, int64_t{0}), p.in_rows);
+}
+
+template <typename T>
+void FillZero(T* data, int64_t n, const ParallelRunner& runner) {
+  runner.For(n, 1, [&](int64_t b, int64_t e) { std::memset(data + b, 0, (e - b) * sizeof(T)); });
+}
+
+// Writes dz for disjoint windows: each (image, output row) unit zeroes its band of input rows,
+// then puts (0 + dy) * mask at each window's gradient position. code_of(l, pw) gives the code.
+template <typename T, typename CodeFn>
+void WriteDisjointBand(const PoolParams& p, int64_t img, int64_t ph, const T* dy, T* dz,
+                       CodeFn code_of_window);
+
+}  // namespace
+
+template <typename T>
+void ReluMaxPoolForwardCpu(const PoolParams& p, const T* z, T* y, const ParallelRunner& runner) {
+  const int64_t units = p.images * p.out_rows;
+  const int64_t cost = std::max<int64_t>(1, p.out_cols * p.lanes * p.window_rows * p.window_cols) *
+                       kCyclesPerElement;
+  runner.For(units, cost, [&](int64_t begin, int64_t end) {
+    WindowScan<T> scan(p.lanes);
+    for (int64_t u = begin; u < end; ++u) {
+      const int64_t img = u / p.out_rows, ph = u % p.out_rows;
+      for (int64_t pw = 0; pw < p.out_cols; ++pw) {
+        scan.template Run<false>(p, z, img, WindowOf(p, ph, pw));
+        T* yp = y + ((img * p.out_rows + ph) * p.out_cols + pw) * p.lanes;
+        for (int64_t l = 0; l < p.lanes; ++l) yp[l] = ValueTraits<T>::FromAcc(scan.max[l]);
+      }
+    }
+  });
+}
+
+namespace {
+// Forward with codes; y may be null (the keep-z backward only wants the codes).
+template <typename T, typename C>
+void ForwardWithArgmaxImpl(const PoolParams& p, const T* z, T* y, C* argmax,
+                           const ParallelRunner& runner) {
+  const int64_t units = p.images * p.out_rows;
+  const int64_t cost = std::max<int64_t>(1, p.out_cols * p.lanes * p.window_rows * p.window_cols) *
+                       kCyclesPerElement;
+  runner.For(units, cost, [&](int64_t begin, int64_t end) {
+    WindowScan<T> scan(p.lanes);
+    for (int64_t u = begin; u < end; ++u) {
+      const int64_t img = u / p.out_rows, ph = u % p.out_rows;
+      for (int64_t pw = 0; pw < p.out_cols; ++pw) {
+        scan.template Run<true>(p, z, img, WindowOf(p, ph, pw));
+        const int64_t o = ((img * p.out_rows + ph) * p.out_cols + pw) * p.lanes;
+        for (int64_t l = 0; l < p.lanes; ++l) argmax[o + l] = scan.template Code<C>(l);
+        if (y != nullptr) {
+          for (int64_t l = 0; l < p.lanes; ++l) y[o + l] = ValueTraits<T>::FromAcc(scan.max[l]);
+        }
+      }
+    }
+  });
+}
+
+template <typename T, typename CodeFn>
+void WriteDisjointBand(const PoolParams& p, int64_t img, int64_t ph, const T* dy, T* dz,
+                       CodeFn code_of_window) {
+  int64_t rb, re;
+  RowBand(p, ph, &rb, &re);
+  const int64_t row_elems = p.in_cols * p.lanes;
+  std::memset(dz + (img * p.in_rows + rb) * row_elems, 0, (re - rb) * row_elems * sizeof(T));
+  for (int64_t pw = 0; pw < p.out_cols; ++pw) {
+    const ClippedWindow win = WindowOf(p, ph, pw);
+    const int64_t o = ((img * p.out_rows + ph) * p.out_cols + pw) * p.lanes;
+    code_of_window(pw, win);  // lets the caller compute codes for this window
+    for (int64_t l = 0; l < p.lanes; ++l) {
+      int64_t h, w;
+      bool positive;
+      code_of_window.Decode(l, win, &h, &w, &positive);
+      const T g = AddAcc(T(ValueTraits<T>::FromAcc(Acc<T>(0))), dy[o + l]);
+      dz[((img * p.in_rows + h) * p.in_cols + w) * p.lanes + l] = MaskAcc(g, positive);
+    }
+  }
+}
+
+// Decodes codes given per lane.
+template <typename C>
+inline void DecodeCode(const PoolParams& p, C code, const ClippedWindow& win, int64_t* h,
+                       int64_t* w, bool* positive) {
+  if (code == ArgmaxSentinel<C>()) {
+    *h = win.row_begin;
+    *w = win.col_begin;
+    *positive = false;
+  } else {
+    const int64_t c = static_cast<int64_t>(code);
+    *h = win.row_begin + c / p.code_pitch;
+    *w = win.col_begin + c % p.code_pitch;
+    *positive = true;
+  }
+}
+
+// Code source for WriteDisjointBand: stored codes.
+template <typename C>
+struct StoredCodes {
+  const PoolParams& p;
+  const C* argmax;
+  int64_t img, ph, pw = 0;
+  void operator()(int64_t out_col, const ClippedWindow&) { pw = out_col; }
+  void Decode(int64_t l, const ClippedWindow& win, int64_t* h, int64_t* w, bool* positive) const {
+    const C c = argmax[((img * p.out_rows + ph) * p.out_cols + pw) * p.lanes + l];
+    DecodeCode(p, c, win, h, w, positive);
+  }
+};
+
+// Code source for WriteDisjointBand: codes recomputed from z.
+template <typename T>
+struct RecomputedCodes {
+  const PoolParams& p;
+  const T* z;
+  int64_t img;
+  WindowScan<T>* scan;
+  void operator()(int64_t, const ClippedWindow& win) { scan->template Run<true>(p, z, img, win); }
+  void Decode(int64_t l, const ClippedWindow& win, int64_t* h, int64_t* w, bool* positive) const {
+    DecodeCode(p, scan->template Code<int32_t>(l), win, h, w, positive);
+  }
+};
+
+// Gather form for overlapping windows: each input element sums, in output order, dy of the
+// windows whose code routes to it, then applies the mask.
+template <typename T, typename C>
+void GatherBackward(const PoolParams& p, const T* dy, const C* argmax, T* dz,
+                    const ParallelRunner& runner) {
+  const int64_t units = p.images * p.in_rows;
+  const int64_t per_elem = ((p.window_rows + p.stride_rows - 1) / p.stride_rows) *
+                           ((p.window_cols + p.stride_cols - 1) / p.stride_cols);
+  const int64_t cost = std::max<int64_t>(1, p.in_cols * p.lanes * per_elem) * kCyclesPerElement;
+  const C sentinel = ArgmaxSentinel<C>();
+  runner.For(units, cost, [&](int64_t begin, int64_t end) {
+    std::vector<T> acc(p.lanes);
+    std::vector<uint8_t> positive(p.lanes);
+    const T zero = ValueTraits<T>::FromAcc(Acc<T>(0));
+    for (int64_t u = begin; u < end; ++u) {
+      const int64_t img = u / p.in_rows, h = u % p.in_rows;
+      int64_t ph0, ph1;
+      OutputsCovering(h, p.pad_top, p.window_rows, p.stride_rows, p.out_rows, &ph0, &ph1);
+      for (int64_t w = 0; w < p.in_cols; ++w) {
+        int64_t pw0, pw1;
+        OutputsCovering(w, p.pad_left, p.window_cols, p.stride_cols, p.out_cols, &pw0, &pw1);
+        T* __restrict a = acc.data();
+        uint8_t* __restrict pos = positive.data();
+        for (int64_t l = 0; l < p.lanes; ++l) {
+          a[l] = zero;
+          pos[l] = 0;
+        }
+        for (int64_t ph = ph0; ph < ph1; ++ph) {
+          for (int64_t pw = pw0; pw < pw1; ++pw) {
+            const ClippedWindow win = WindowOf(p, ph, pw);
+            const C expected = static_cast<C>((h - win.row_begin) * p.code_pitch + (w - win.col_begin));
+            const bool first = h == win.row_begin && w == win.col_begin;
+            const int64_t o = ((img * p.out_rows + ph) * p.out_cols + pw) * p.lanes;
+            const C* __restrict cp = argmax + o;
+            const T* __restrict gp = dy + o;
+            for (int64_t l = 0; l < p.lanes; ++l) {
+              const bool hit = cp[l] == expected;
+              const bool take = hit || (first && cp[l] == sentinel);
+              a[l] = take ? AddAcc(a[l], gp[l]) : a[l];
+              pos[l] |= hit;
+            }
+          }
+        }
+        T* __restrict out = dz + ((img * p.in_rows + h) * p.in_cols + w) * p.lanes;
+        for (int64_t l = 0; l < p.lanes; ++l) out[l] = MaskAcc(a[l], pos[l] != 0);
+      }
+    }
+  });
+}
+
+// The narrowest code type for the keep-z backward's workspace.
+template <typename Fn>
+auto WithWorkspaceCodeType(const PoolParams& p, Fn fn) {
+  if (p.code_positions < ArgmaxSentinel<uint8_t>()) return fn(uint8_t{});
+  if (p.code_positions < ArgmaxSentinel<uint16_t>()) return fn(uint16_t{});
+  return fn(int32_t{});
+}
+
+}  // namespace
+
+template <typename T, typename C>
+void ReluMaxPoolForwardWithArgmaxCpu(const PoolParams& p, const T* z, T* y, C* argmax,
+                                     const ParallelRunner& runner) {
+  ForwardWithArgmaxImpl<T, C>(p, z, y, argmax, runner);
+}
+
+int64_t BackwardFromInputWorkspaceBytes(const PoolParams& p) {
+  if (p.windows_disjoint()) return 0;
+  return WithWorkspaceCodeType(p, [&](auto c) { return p.out_elements() * int64_t(sizeof(c)); });
+}
+
+template <typename T>
+void ReluMaxPoolBackwardFromInputCpu(const PoolParams& p, const T* z, const T* dy, T* dz,
+                                     void* workspace, const ParallelRunner& runner) {
+  if (p.out_elements() == 0) return FillZero(dz, p.in_elements(), runner);
+  if (!p.windows_disjoint()) {
+    // Overlapping windows: codes into the workspace (z read once), then the gather.
+    WithWorkspaceCodeType(p, [&](auto c) {
+      using C = decltype(c);
+      C* codes = static_cast<C*>(workspace);
+      ForwardWithArgmaxImpl<T, C>(p, z, nullptr, codes, runner);
+      GatherBackward<T, C>(p, dy, codes, dz, runner);
+      return 0;
+    });
+    return;
+  }
+  const int64_t units = p.images * p.out_rows;
+  const int64_t cost = std::max<int64_t>(1, p.in_cols * p.lanes * p.stride_rows) * kCyclesPerElement;
+  runner.For(units, cost, [&](int64_t begin, int64_t end) {
+    WindowScan<T> scan(p.lanes);
+    for (int64_t u = begin; u < end; ++u) {
+      const int64_t img = u / p.out_rows, ph = u % p.out_rows;
+      WriteDisjointBand(p, img, ph, dy, dz, RecomputedCodes<T>{p, z, img, &scan});
+    }
+  });
+}
+
+template <typename C>
+int64_t FindInvalidArgmaxCpu(const PoolParams& p, const C* argmax, const ParallelRunner& runner) {
+  std::atomic<int64_t> first_bad{-1};
+  const int64_t units = p.images * p.out_rows;
+  runner.For(units, std::max<int64_t>(1, p.out_cols * p.lanes) * 2, [&](int64_t begin, int64_t end) {
+    for (int64_t u = begin; u < end; ++u) {
+      const int64_t img = u / p.out_rows, ph = u % p.out_rows;
+      for (int64_t pw = 0; pw < p.out_cols; ++pw) {
+        const ClippedWindow win = WindowOf(p, ph, pw);
+        const int64_t rows = win.row_end - win.row_begin, cols = win.col_end - win.col_begin;
+        const int64_t o = ((img * p.out_rows + ph) * p.out_cols + pw) * p.lanes;
+        for (int64_t l = 0; l < p.lanes; ++l) {
+          const C c = argmax[o + l];
+          if (c == ArgmaxSentinel<C>()) continue;
+          const int64_t v = static_cast<int64_t>(c);
+          if (v >= 0 && v / p.code_pitch < rows && v % p.code_pitch < cols) continue;
+          // Keep the smallest bad index whatever the split, so the error message is stable.
+          int64_t cur = first_bad.load();
+          while ((cur < 0 || o + l < cur) && !first_bad.compare_exchange_weak(cur, o + l)) {
+          }
+          break;
+        }
+      }
+    }
+  });
+  return first_bad.load();
+}
+
+template <typename T, typename C>
+void ReluMaxPoolBackwardFromArgmaxCpu(const PoolParams& p, const T* dy, const C* argmax, T* dz,
+                                      const ParallelRunner& runner) {
+  if (p.out_elements() == 0) return FillZero(dz, p.in_elements(), runner);
+  if (!p.windows_disjoint()) return GatherBackward<T, C>(p, dy, argmax, dz, runner);
+  const int64_t units = p.images * p.out_rows;
+  const int64_t cost = std::max<int64_t>(1, p.in_cols * p.lanes * p.stride_rows) * kCyclesPerElement;
+  runner.For(units, cost, [&](int64_t begin, int64_t end) {
+    for (int64_t u = begin; u < end; ++u) {
+      const int64_t img = u / p.out_rows, ph = u % p.out_rows;
+      WriteDisjointBand(p, img, ph, dy, dz, StoredCodes<C>{p, argmax, img, ph});
+    }
+  });
+}
+
+#define TFRP_INSTANTIATE_T(T)                                                                     \
+  template void ReluMaxPoolForwardCpu<T>(const PoolParams&, const T*, T*, const ParallelRunner&); \
+  template void ReluMaxPoolBackwardFromInputCpu<T>(const PoolParams&, const T*, const T*, T*,     \
+                                                   void*, const ParallelRunner&);
+#define TFRP_INSTANTIATE_TC(T, C)                                                               \
+  template void ReluMaxPoolForwardWithArgmaxCpu<T, C>(const PoolParams&, const T*, T*, C*,      \
+                                                      const ParallelRunner&);                   \
+  template void ReluMaxPoolBackwardFromArgmaxCpu<T, C>(const PoolParams&, const T*, const C*, T*, \
+                                                       const ParallelRunner&);
+#define TFRP_INSTANTIATE_ALL_C(T) \
+  TFRP_INSTANTIATE_T(T)           \
+  TFRP_INSTANTIATE_TC(T, uint8_t) \
+  TFRP_INSTANTIATE_TC(T, uint16_t) \
+  TFRP_INSTANTIATE_TC(T, int32_t)
+
+TFRP_INSTANTIATE_ALL_C(float)
+TFRP_INSTANTIATE_ALL_C(double)
+TFRP_INSTANTIATE_ALL_C(Half)
+TFRP_INSTANTIATE_ALL_C(BFloat16)
+
+template int64_t FindInvalidArgmaxCpu<uint8_t>(const PoolParams&, const uint8_t*, const ParallelRunner&);
+template int64_t FindInvalidArgmaxCpu<uint16_t>(const PoolParams&, const uint16_t*, const ParallelRunner&);
+template int64_t FindInvalidArgmaxCpu<int32_t>(const PoolParams&, const int32_t*, const ParallelRunner&);
+
+}  // namespace tf_relupool

@@ -1,0 +1,61 @@
+// Glue between TensorFlow attributes/shapes and the framework-free geometry in
+// cc/kernels/relu_max_pool.h, shared by the shape functions and the OpKernels.
+#ifndef TF_RELUPOOL_CC_OPS_POOL_ATTRS_H_
+#define TF_RELUPOOL_CC_OPS_POOL_ATTRS_H_
+
+#include <string>
+#include <vector>
+
+#include "cc/kernels/relu_max_pool.h"
+#include "tensorflow/core/framework/tensor_shape.h"
+#include "tensorflow/core/platform/status.h"
+
+namespace tf_relupool {
+
+struct PoolAttrs {
+  std::vector<int64_t> ksize, strides;
+  Padding padding = Padding::kValid;
+  DataFormat format = DataFormat::kNHWC;
+};
+
+// Reads ksize, strides, padding and data_format from any attribute source (OpKernelConstruction
+// or InferenceContext) and checks them once.
+template <typename AttrSource>
+absl::Status ReadPoolAttrs(AttrSource* src, PoolAttrs* attrs) {
+  std::string padding, format;
+  TF_RETURN_IF_ERROR(src->GetAttr("ksize", &attrs->ksize));
+  TF_RETURN_IF_ERROR(src->GetAttr("strides", &attrs->strides));
+  TF_RETURN_IF_ERROR(src->GetAttr("padding", &padding));
+  TF_RETURN_IF_ERROR(src->GetAttr("data_format", &format));
+  attrs->padding = padding == "SAME" ? Padding::kSame : Padding::kValid;
+  attrs->format = format == "NCHW" ? DataFormat::kNCHW : DataFormat::kNHWC;
+  const std::string err =
+      CheckPoolAttrs(attrs->ksize.data(), static_cast<int>(attrs->ksize.size()),
+                     attrs->strides.data(), static_cast<int>(attrs->strides.size()), attrs->format);
+  if (!err.empty()) return absl::InvalidArgumentError(err);
+  return absl::OkStatus();
+}
+
+inline absl::Status MakePoolParams(const PoolAttrs& attrs, const tensorflow::TensorShape& input,
+                                   PoolParams* params) {
+  std::vector<int64_t> dims(input.dims());
+  for (int i = 0; i < input.dims(); ++i) dims[i] = input.dim_size(i);
+  const std::string err = ComputePoolParams(
+      dims.data(), input.dims(), attrs.ksize.data(), static_cast<int>(attrs.ksize.size()),
+      attrs.strides.data(), static_cast<int>(attrs.strides.size()), attrs.padding, attrs.format,
+      params);
+  if (!err.empty()) return absl::InvalidArgumentError(err);
+  return absl::OkStatus();
+}
+
+// The pooled output's shape, in the input's data format.
+inline tensorflow::TensorShape PooledShape(const PoolParams& p) {
+  if (p.format == DataFormat::kNHWC) {
+    return tensorflow::TensorShape({p.batch, p.out_rows, p.out_cols, p.channels});
+  }
+  return tensorflow::TensorShape({p.batch, p.channels, p.out_rows, p.out_cols});
+}
+
+}  // namespace tf_relupool
+
+#endif  // TF_RELUPOOL_CC_OPS_POOL_ATTRS_H_

@@ -1,0 +1,123 @@
+// Op registrations and shape functions.
+#include "cc/ops/pool_attrs.h"
+#include "tensorflow/core/framework/common_shape_fns.h"
+#include "tensorflow/core/framework/op.h"
+#include "tensorflow/core/framework/shape_inference.h"
+
+namespace tf_relupool {
+namespace {
+
+using tensorflow::shape_inference::DimensionHandle;
+using tensorflow::shape_inference::InferenceContext;
+using tensorflow::shape_inference::ShapeHandle;
+
+// Pooled shape of a 4-D input shape handle (unknown dimensions stay unknown).
+absl::Status PooledShapeOf(InferenceContext* c, const PoolAttrs& attrs, ShapeHandle input,
+                           ShapeHandle* out) {
+  TF_RETURN_IF_ERROR(c->WithRank(input, 4, &input));
+  const bool nhwc = attrs.format == DataFormat::kNHWC;
+  const int h = nhwc ? 1 : 2, w = nhwc ? 2 : 3;
+  auto pooled = [&](int d) -> DimensionHandle {
+    const DimensionHandle in = c->Dim(input, d);
+    if (!c->ValueKnown(in)) return c->UnknownDim();
+    return c->MakeDim(PooledSize(c->Value(in), attrs.ksize[d], attrs.strides[d], attrs.padding));
+  };
+  std::vector<DimensionHandle> dims = {c->Dim(input, 0), c->Dim(input, 1), c->Dim(input, 2),
+                                       c->Dim(input, 3)};
+  dims[h] = pooled(h);
+  dims[w] = pooled(w);
+  *out = c->MakeShape(dims);
+  return absl::OkStatus();
+}
+
+absl::Status ForwardShape(InferenceContext* c) {
+  PoolAttrs attrs;
+  TF_RETURN_IF_ERROR(ReadPoolAttrs(c, &attrs));
+  ShapeHandle out;
+  TF_RETURN_IF_ERROR(PooledShapeOf(c, attrs, c->input(0), &out));
+  for (int i = 0; i < c->num_outputs(); ++i) c->set_output(i, out);
+  return absl::OkStatus();
+}
+
+// input_grad has the input's shape; grad must have the pooled shape.
+absl::Status GradShape(InferenceContext* c) {
+  PoolAttrs attrs;
+  TF_RETURN_IF_ERROR(ReadPoolAttrs(c, &attrs));
+  ShapeHandle pooled, grad;
+  TF_RETURN_IF_ERROR(PooledShapeOf(c, attrs, c->input(0), &pooled));
+  TF_RETURN_IF_ERROR(c->Merge(c->input(1), pooled, &grad));
+  c->set_output(0, c->input(0));
+  return absl::OkStatus();
+}
+
+absl::Status GradFromArgmaxShape(InferenceContext* c) {
+  PoolAttrs attrs;
+  TF_RETURN_IF_ERROR(ReadPoolAttrs(c, &attrs));
+  ShapeHandle input, pooled, merged;
+  TF_RETURN_IF_ERROR(c->MakeShapeFromShapeTensor(0, &input));
+  TF_RETURN_IF_ERROR(c->WithRank(input, 4, &input));
+  TF_RETURN_IF_ERROR(PooledShapeOf(c, attrs, input, &pooled));
+  TF_RETURN_IF_ERROR(c->Merge(c->input(1), pooled, &merged));
+  TF_RETURN_IF_ERROR(c->Merge(c->input(2), merged, &merged));
+  c->set_output(0, input);
+  return absl::OkStatus();
+}
+
+
+}  // namespace
+
+REGISTER_OP("ReluMaxPool")
+    .Input("input: T")
+    .Output("output: T")
+    .Attr("T: {half, bfloat16, float, double}")
+    .Attr("ksize: list(int)")
+    .Attr("strides: list(int)")
+    .Attr("padding: {'SAME', 'VALID'}")
+    .Attr("data_format: {'NHWC', 'NCHW'} = 'NHWC'")
+    .SetShapeFn(ForwardShape)
+    .Doc(R"doc(output = max_pool(relu(input)), bitwise equal to MaxPool(Relu(input)).)doc");
+
+REGISTER_OP("ReluMaxPoolGrad")
+    .Input("input: T")
+    .Input("grad: T")
+    .Output("input_grad: T")
+    .Attr("T: {half, bfloat16, float, double}")
+    .Attr("ksize: list(int)")
+    .Attr("strides: list(int)")
+    .Attr("padding: {'SAME', 'VALID'}")
+    .Attr("data_format: {'NHWC', 'NCHW'} = 'NHWC'")
+    .SetShapeFn(GradShape)
+    .Doc(R"doc(Gradient of ReluMaxPool with respect to its input, recomputed from the input:
+bitwise equal to ReluGrad(MaxPoolGrad(relu(input), output, grad), relu(input)).)doc");
+
+REGISTER_OP("ReluMaxPoolWithWindowArgmax")
+    .Input("input: T")
+    .Output("output: T")
+    .Output("window_argmax: Targmax")
+    .Attr("T: {half, bfloat16, float, double}")
+    .Attr("Targmax: {uint8, uint16, int32} = DT_UINT8")
+    .Attr("ksize: list(int)")
+    .Attr("strides: list(int)")
+    .Attr("padding: {'SAME', 'VALID'}")
+    .Attr("data_format: {'NHWC', 'NCHW'} = 'NHWC'")
+    .SetShapeFn(ForwardShape)
+    .Doc(R"doc(ReluMaxPool plus, per pooled element, the row-major position of the gradient
+within its window clipped to the input (row pitch min(window cols, input cols)), or the largest
+value of Targmax when the window's maximum is not positive.)doc");
+
+REGISTER_OP("ReluMaxPoolGradFromWindowArgmax")
+    .Input("input_shape: Tshape")
+    .Input("grad: T")
+    .Input("window_argmax: Targmax")
+    .Output("input_grad: T")
+    .Attr("T: {half, bfloat16, float, double}")
+    .Attr("Targmax: {uint8, uint16, int32} = DT_UINT8")
+    .Attr("Tshape: {int32, int64} = DT_INT32")
+    .Attr("ksize: list(int)")
+    .Attr("strides: list(int)")
+    .Attr("padding: {'SAME', 'VALID'}")
+    .Attr("data_format: {'NHWC', 'NCHW'} = 'NHWC'")
+    .SetShapeFn(GradFromArgmaxShape)
+    .Doc(R"doc(Gradient of ReluMaxPoolWithWindowArgmax from grad and window_argmax alone.)doc");
+
+}  // namespace tf_relupool

@@ -1,0 +1,62 @@
+"""Loads the compiled op library once, lazily, and explains every way that can fail."""
+import os
+import threading
+
+import tensorflow as tf
+
+LIBRARY_FILE = "_relu_max_pool_ops.so"
+REBUILD_COMMAND = "pip install --no-build-isolation --force-reinstall --no-deps <path to tf_relupool source>"
+
+_lock = threading.Lock()
+_module = None
+
+
+class OpLibraryError(RuntimeError):
+    """The op library is missing, unreadable, or built for another TensorFlow."""
+
+
+def library_path():
+    return os.path.join(os.path.dirname(os.path.abspath(__file__)), LIBRARY_FILE)
+
+
+def _built_tf_version():
+    try:
+        from tf_relupool import _build_info  # written by setup.py next to the library
+    except ImportError:
+        return None
+    return _build_info.TF_VERSION
+
+
+def load_library():
+    """Returns the loaded op module, loading it on first use."""
+    global _module
+    if _module is not None:
+        return _module
+    with _lock:
+        if _module is None:
+            _module = _load(library_path())
+    return _module
+
+
+def _load(path):
+    built = _built_tf_version()
+    running = tf.__version__
+    if not os.path.exists(path):
+        raise OpLibraryError(
+            f"tf_relupool's op library {path} does not exist: the package was not built. "
+            f"Build it for TensorFlow {running} with: {REBUILD_COMMAND}")
+    if not os.access(path, os.R_OK):
+        raise OpLibraryError(
+            f"tf_relupool's op library {path} is not readable by this user; fix its permissions "
+            f"or reinstall with: {REBUILD_COMMAND}")
+    if built is not None and built != running:
+        raise OpLibraryError(
+            f"tf_relupool's op library was built against TensorFlow {built}, but TensorFlow "
+            f"{running} is running. Rebuild it with: {REBUILD_COMMAND}")
+    try:
+        return tf.load_op_library(path)
+    except (tf.errors.NotFoundError, tf.errors.InvalidArgumentError, OSError) as e:
+        raise OpLibraryError(
+            f"tf_relupool's op library {path} (built against TensorFlow {built or 'unknown'}) "
+            f"failed to load into TensorFlow {running}: {e}. Rebuild it with: "
+            f"{REBUILD_COMMAND}") from e

@@ -1,0 +1,125 @@
+"""Python API of the fused ReLU + max-pool ops, and their registered gradients."""
+import numpy as np
+import tensorflow as tf
+from tensorflow.python.framework import ops as tf_ops
+
+from tf_relupool._loader import load_library
+
+#: What the backward pass keeps from the forward pass.
+KEEP_ARGMAX = "argmax"  # one code per pooled element (1 byte for windows of < 255 positions)
+KEEP_INPUT = "input"    # the pre-ReLU input z, from which the backward recomputes the argmax
+KEEP_CHOICES = (KEEP_ARGMAX, KEEP_INPUT)
+
+SUPPORTED_DTYPES = (tf.float16, tf.bfloat16, tf.float32, tf.float64)
+_ARGMAX_DTYPES = ((tf.uint8, 255), (tf.uint16, 65535), (tf.int32, 2**31 - 1))
+
+
+def _window_attr(value, name, data_format):
+    """ksize/strides in tf.nn.max_pool2d's forms (int, 1, 2 or 4 entries) -> 4-entry list."""
+    if isinstance(value, (int, np.integer)) and not isinstance(value, bool):
+        spatial = [int(value)] * 2
+    elif isinstance(value, (list, tuple)) and all(
+            isinstance(v, (int, np.integer)) and not isinstance(v, bool) for v in value):
+        value = [int(v) for v in value]
+        if len(value) == 1:
+            spatial = value * 2
+        elif len(value) == 2:
+            spatial = value
+        elif len(value) == 4:
+            outer = [value[0], value[3]] if data_format == "NHWC" else [value[0], value[1]]
+            if outer != [1, 1]:
+                raise ValueError(f"{name} must be 1 on the batch and channel dimensions, got {value}")
+            spatial = value[1:3] if data_format == "NHWC" else value[2:4]
+        else:
+            raise ValueError(f"{name} must be an int or a list of 1, 2 or 4 ints, got {value}")
+    else:
+        raise ValueError(f"{name} must be an int or a list of 1, 2 or 4 ints, got {value!r}")
+    if any(v < 1 for v in spatial):
+        raise ValueError(f"{name} must be >= 1 in every spatial dimension, got {value}")
+    return [1] + spatial + [1] if data_format == "NHWC" else [1, 1] + spatial
+
+
+def _check_args(input, ksize, strides, padding, data_format, keep):
+    if not isinstance(data_format, str) or data_format.upper() not in ("NHWC", "NCHW"):
+        raise ValueError(f"data_format must be 'NHWC' or 'NCHW', got {data_format!r}")
+    data_format = data_format.upper()
+    if not isinstance(padding, str) or padding.upper() not in ("VALID", "SAME"):
+        raise ValueError(f"padding must be 'VALID' or 'SAME', got {padding!r}")
+    if keep not in KEEP_CHOICES:
+        raise ValueError(f"keep must be one of {KEEP_CHOICES}, got {keep!r}")
+    ksize = _window_attr(ksize, "ksize", data_format)
+    strides = _window_attr(strides, "strides", data_format)
+    if input.dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"input dtype must be one of {[d.name for d in SUPPORTED_DTYPES]}, "
+                         f"got {input.dtype.name}")
+    if input.shape.rank is not None and input.shape.rank != 4:
+        raise ValueError(f"input must be 4-D ({data_format}), got shape {input.shape}")
+    return ksize, strides, padding.upper(), data_format
+
+
+def argmax_dtype_for(input_shape, ksize, data_format="NHWC"):
+    """The narrowest code type for windows of `ksize` (4 entries) over `input_shape`."""
+    rows, cols = (1, 2) if data_format == "NHWC" else (2, 3)
+    dims = list(input_shape)
+    h = ksize[rows] if dims[rows] is None else min(ksize[rows], dims[rows])
+    w = ksize[cols] if dims[cols] is None else min(ksize[cols], dims[cols])
+    for dtype, sentinel in _ARGMAX_DTYPES:
+        if h * w < sentinel:
+            return dtype
+    raise ValueError(f"ksize {ksize} gives windows of {h * w} positions, too many to encode")
+
+
+def relu_max_pool2d(input, ksize, strides, padding, data_format="NHWC", name=None, keep=KEEP_ARGMAX):
+    """Computes `tf.nn.max_pool2d(tf.nn.relu(input), ksize, strides, padding, data_format)`.
+
+    Forward values and gradients are bitwise identical to the stock ops (on CPU), in one pass
+    over `input` and with no ReLU activation kept for the backward pass.
+
+    Args:
+      input: 4-D tensor of float16, bfloat16, float32 or float64, in `data_format`.
+      ksize: window size: an int, or a list of 1, 2 or 4 ints, as for `tf.nn.max_pool2d`.
+      strides: stride: an int, or a list of 1, 2 or 4 ints.
+      padding: "VALID" or "SAME".
+      data_format: "NHWC" or "NCHW".
+      name: optional name for the operation.
+      keep: what the backward pass keeps. "argmax" (default): one code per pooled element
+        (1 byte for windows of fewer than 255 positions), neither z nor relu(z). "input": the
+        input z, from which the backward recomputes the argmax (SystemML's recomputation).
+
+    Returns:
+      The pooled tensor, of `input`'s dtype.
+
+    Raises:
+      ValueError: an argument is malformed; the message names it.
+    """
+    with tf.name_scope(name or "ReluMaxPool2d"):
+        input = tf.convert_to_tensor(input, name="input")
+        ksize, strides, padding, data_format = _check_args(input, ksize, strides, padding,
+                                                           data_format, keep)
+        lib = load_library()
+        if keep == KEEP_INPUT:
+            return lib.relu_max_pool(input, ksize=ksize, strides=strides, padding=padding,
+                                     data_format=data_format)
+        output, _ = lib.relu_max_pool_with_window_argmax(
+            input, ksize=ksize, strides=strides, padding=padding, data_format=data_format,
+            Targmax=argmax_dtype_for(input.shape, ksize, data_format))
+        return output
+
+
+def _pool_attrs(op):
+    return {k: op.get_attr(k) for k in ("ksize", "strides", "padding", "data_format")}
+
+
+@tf_ops.RegisterGradient("ReluMaxPool")
+def _relu_max_pool_grad(op, grad):
+    return load_library().relu_max_pool_grad(op.inputs[0], grad, **_pool_attrs(op))
+
+
+@tf_ops.RegisterGradient("ReluMaxPoolWithWindowArgmax")
+def _relu_max_pool_with_window_argmax_grad(op, grad, unused_argmax_grad):
+    return load_library().relu_max_pool_grad_from_window_argmax(
+        tf.shape(op.inputs[0]), grad, op.outputs[1], **_pool_attrs(op))
+
+
+# Second derivatives are not implemented (the gradient ops have no registered gradient).
+tf_ops.NotDifferentiable("ReluMaxPoolGradFromWindowArgmax")
