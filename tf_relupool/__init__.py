@@ -1,6 +1,11 @@
 """tf_relupool: fused ReLU + max pooling for TensorFlow, exact and lighter on memory."""
 from tf_relupool._loader import OpLibraryError, load_library
 from tf_relupool.ops import KEEP_ARGMAX, KEEP_INPUT, relu_max_pool2d
+from tf_relupool.config import (disable_recompute, enable_recompute, recompute,
+                                recompute_enabled, recompute_mode)
+from tf_relupool.layers import ReluMaxPool2D
 
-__all__ = ["KEEP_ARGMAX", "KEEP_INPUT", "OpLibraryError", "load_library", "relu_max_pool2d"]
+__all__ = ["KEEP_ARGMAX", "KEEP_INPUT", "OpLibraryError", "load_library", "relu_max_pool2d",
+           "ReluMaxPool2D", "disable_recompute", "enable_recompute", "recompute",
+           "recompute_enabled", "recompute_mode"]
 __version__ = "0.1.0"

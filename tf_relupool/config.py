@@ -1,0 +1,140 @@
+"""The global recompute switch: whether ReluMaxPool2D layers run the fused op, and how.
+
+The switch holds one of three values: ``None`` (off: ``ReluMaxPool2D(keep=None)`` runs the stock
+ops ``relu`` + ``max_pool``, numerically identical), ``"argmax"`` (the fused op whose backward
+keeps one byte per pooled element: the lowest memory) or ``"input"`` (the fused op whose backward
+keeps the pre-ReLU input and recomputes the argmax from it: SystemML's
+``sysml.gpu.recompute.activations``).
+
+The default is off unless the environment variable ``TF_RELUPOOL_RECOMPUTE`` says otherwise when
+tf_relupool is imported ("0"/"off"/"false"/"no"/"" -> off; "1"/"on"/"true"/"yes"/"argmax" ->
+"argmax"; "input" -> "input"). Off is the default because a library should not change what a
+user's model computes behind their back: with the switch off, nothing tf_relupool provides
+changes a model's graph, and turning it on is one visible line.
+
+The switch is read when a layer's ``call`` is traced (when Keras builds its train/predict
+function), not at every step: change it before ``compile``/``fit``, or recompile the model.
+The switch is process-global (not per thread) so that replica threads of a
+``tf.distribute`` strategy see the same value as the thread that set it.
+"""
+import contextlib
+import logging
+import os
+import threading
+import warnings
+
+from tf_relupool.ops import KEEP_ARGMAX, KEEP_CHOICES, KEEP_INPUT
+
+ENV_VAR = "TF_RELUPOOL_RECOMPUTE"
+_OFF_WORDS = ("0", "off", "false", "no", "none", "")
+_ARGMAX_WORDS = ("1", "on", "true", "yes", KEEP_ARGMAX)
+
+logger = logging.getLogger("tf_relupool")
+_lock = threading.Lock()
+_mode = None
+
+
+def _check_keep(keep, allow_off):
+    """Normalizes a keep argument; None/False mean off where `allow_off`."""
+    if allow_off and (keep is None or keep is False):
+        return None
+    if keep is True:
+        return KEEP_ARGMAX
+    if keep not in KEEP_CHOICES:
+        allowed = KEEP_CHOICES + ((None, False) if allow_off else ())
+        raise ValueError(f"keep must be one of {allowed}, got {keep!r}")
+    return keep
+
+
+def parse_env_value(value):
+    """Maps a TF_RELUPOOL_RECOMPUTE value to None, "argmax" or "input"; ValueError if unknown."""
+    word = value.strip().lower()
+    if word in _OFF_WORDS:
+        return None
+    if word in _ARGMAX_WORDS:
+        return KEEP_ARGMAX
+    if word == KEEP_INPUT:
+        return KEEP_INPUT
+    raise ValueError(
+        f"{ENV_VAR}={value!r} is not understood; use one of '0'/'off', '1'/'argmax', 'input'")
+
+
+def enable_recompute(keep=KEEP_ARGMAX):
+    """Turns the switch on: `ReluMaxPool2D(keep=None)` layers run the fused op.
+
+    Args:
+      keep: what the fused op's backward keeps. "argmax" (default, the lowest memory): one code
+        per pooled element (1 byte for windows of fewer than 255 positions), neither the input
+        nor its ReLU. "input": the pre-ReLU input, from which the backward recomputes the argmax
+        (SystemML's recomputation of activations).
+
+    Takes effect for functions traced afterwards (compile/fit a model after calling it).
+
+    Raises:
+      ValueError: `keep` is not "argmax" or "input".
+    """
+    global _mode
+    keep = _check_keep(keep, allow_off=False)
+    with _lock:
+        _mode = keep
+
+
+def disable_recompute():
+    """Turns the switch off: `ReluMaxPool2D(keep=None)` layers run stock relu + max_pool."""
+    global _mode
+    with _lock:
+        _mode = None
+
+
+def recompute_mode():
+    """The switch's value: None (off), "argmax" or "input"."""
+    return _mode
+
+
+def recompute_enabled():
+    """Whether the switch is on (`recompute_mode()` is not None)."""
+    return _mode is not None
+
+
+@contextlib.contextmanager
+def recompute(keep=KEEP_ARGMAX):
+    """Context manager: sets the switch for the duration of the block, then restores it.
+
+    `keep` is "argmax" (default) or "input" to turn it on, None or False to turn it off
+    temporarily. Affects what is traced inside the block:
+
+    >>> with tf_relupool.recompute():            # fused, keeping 1-byte argmax codes
+    ...     model.compile(...); model.fit(...)
+    >>> with tf_relupool.recompute(None):        # stock ops, even if enabled globally
+    ...     ...
+
+    Raises:
+      ValueError: `keep` is not "argmax", "input", None or False.
+    """
+    global _mode
+    keep = _check_keep(keep, allow_off=True)
+    with _lock:
+        previous, _mode = _mode, keep
+    try:
+        yield keep
+    finally:
+        with _lock:
+            _mode = previous
+
+
+def _init_from_environment():
+    global _mode
+    value = os.environ.get(ENV_VAR)
+    if value is None:
+        return
+    try:
+        _mode = parse_env_value(value)
+    except ValueError as e:
+        # An import must not fail on a typo in the environment; say so loudly and stay off.
+        warnings.warn(f"{e}; the recompute switch stays off", RuntimeWarning, stacklevel=2)
+        _mode = None
+    if _mode is not None:
+        logger.info("recompute switch on from %s=%r: keep=%r", ENV_VAR, value, _mode)
+
+
+_init_from_environment()

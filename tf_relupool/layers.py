@@ -1,0 +1,179 @@
+"""Keras 3 layer: ReLU followed by 2-D max pooling, on the fused op when recompute is on."""
+import keras
+import numpy as np
+
+from tf_relupool import config
+from tf_relupool.ops import KEEP_CHOICES, relu_max_pool2d
+
+_PADDINGS = ("valid", "same")
+_DATA_FORMATS = ("channels_last", "channels_first")
+
+
+def _is_int(v):
+    return isinstance(v, (int, np.integer)) and not isinstance(v, bool)
+
+
+def _pair(value, name):
+    """An int or 2 ints, each >= 1 -> tuple of 2 ints; ValueError naming `name` otherwise."""
+    if _is_int(value):
+        value = (value, value)
+    if not (isinstance(value, (tuple, list)) and len(value) == 2 and all(_is_int(v) for v in value)):
+        raise ValueError(f"The `{name}` argument must be an int or a tuple of 2 ints. "
+                         f"Received: {name}={value!r}")
+    if any(v < 1 for v in value):
+        raise ValueError(f"The `{name}` argument must be >= 1 in both dimensions. "
+                         f"Received: {name}={value!r}")
+    return tuple(int(v) for v in value)
+
+
+def pooled_size(size, pool, stride, padding):
+    """Pooled length of one spatial dimension (None stays None), as MaxPooling2D computes it."""
+    if size is None:
+        return None
+    if padding == "same":
+        return (size - 1) // stride + 1
+    return (size - pool) // stride + 1
+
+
+def _in_xla_context():
+    """True while tracing inside tf.function(jit_compile=True) (private TF API, guarded)."""
+    import tensorflow as tf
+    if tf.executing_eagerly():
+        return False
+    try:
+        from tensorflow.python.framework import ops as tf_ops
+        from tensorflow.python.ops import control_flow_util
+        return bool(control_flow_util.GraphOrParentsInXlaContext(tf_ops.get_default_graph()))
+    except (ImportError, AttributeError):  # the private API moved: assume no XLA
+        return False
+
+
+@keras.saving.register_keras_serializable(package="tf_relupool")
+class ReluMaxPool2D(keras.layers.Layer):
+    """ReLU followed by max pooling for 2-D spatial data: `MaxPooling2D()(ReLU()(x))`.
+
+    With the fused op (see `keep`) the forward pass reads `x` once and the backward keeps
+    neither `x` nor `relu(x)` (keep="argmax") or only `x` (keep="input"); values and gradients
+    are bitwise identical to the stock layers either way.
+
+    The output shape is, per spatial dimension of size `n`, with `p = pool_size` and
+    `s = strides`:
+      - `padding="valid"`: `floor((n - p) / s) + 1`
+      - `padding="same"`:  `floor((n - 1) / s) + 1`
+
+    Which ops run:
+      - `keep="argmax"` or `keep="input"`: the fused op, whatever the global switch says.
+      - `keep=None` (default): follow the global switch (`tf_relupool.enable_recompute()`,
+        `recompute()`, `TF_RELUPOOL_RECOMPUTE`) at trace time; when it is off, the stock ops
+        `relu` + `max_pool` run (numerically identical to `ReLU` + `MaxPooling2D`).
+      - Inside XLA (`tf.function(jit_compile=True)`): always the stock ops, which XLA fuses
+        itself; the custom op has no XLA kernel. Detecting XLA needs a private TensorFlow
+        function; it is guarded, and if TensorFlow moves it the fused op is emitted and XLA
+        reports the unregistered op.
+      - `supports_jit` is False while the layer would run the fused op, so Keras's
+        `compile(jit_compile="auto")` keeps the fused op (and its memory saving) by compiling
+        the model without XLA, and `jit_compile=True` is turned off by Keras with a warning
+        instead of failing.
+      - Other Keras backends than TensorFlow: always the stock ops.
+
+    Args:
+      pool_size: int or tuple of 2 ints, the window size (rows, cols). Default (2, 2).
+      strides: int, tuple of 2 ints, or None. None (default) means `pool_size`.
+      padding: "valid" (default) or "same", case-insensitive.
+      data_format: "channels_last", "channels_first", or None (default) for
+        `keras.config.image_data_format()`.
+      keep: None (default: follow the global switch), "argmax" or "input" (force the fused op
+        with that backward).
+      name: layer name. Other keyword arguments (dtype, trainable) go to `keras.layers.Layer`.
+
+    Input shape:
+      4-D tensor `(batch, rows, cols, channels)` for channels_last, or
+      `(batch, channels, rows, cols)` for channels_first.
+
+    Output shape:
+      4-D tensor `(batch, pooled_rows, pooled_cols, channels)` for channels_last, or
+      `(batch, channels, pooled_rows, pooled_cols)` for channels_first.
+
+    Examples:
+
+    >>> x = np.array([[-1., 2., -3.], [4., -5., 6.], [-7., 8., -9.]]).reshape(1, 3, 3, 1)
+    >>> ReluMaxPool2D(pool_size=2, strides=1, keep="argmax")(x)[0, :, :, 0]
+    [[4., 6.], [8., 8.]]
+    >>> ReluMaxPool2D(pool_size=2, padding="same").compute_output_shape((8, 7, 5, 3))
+    (8, 4, 3, 3)
+
+    Use it in place of a `ReLU` (or a Conv2D's `activation="relu"`) followed by `MaxPooling2D`:
+
+    >>> model = keras.Sequential([keras.Input((32, 32, 3)), keras.layers.Conv2D(32, 3),
+    ...                           ReluMaxPool2D(), keras.layers.Flatten(), keras.layers.Dense(10)])
+    """
+
+    def __init__(self, pool_size=(2, 2), strides=None, padding="valid", data_format=None,
+                 keep=None, name=None, **kwargs):
+        super().__init__(name=name, **kwargs)
+        self.pool_size = _pair(pool_size, "pool_size")
+        self.strides = self.pool_size if strides is None else _pair(strides, "strides")
+        if not isinstance(padding, str) or padding.lower() not in _PADDINGS:
+            raise ValueError(f"The `padding` argument must be one of {_PADDINGS}. "
+                             f"Received: padding={padding!r}")
+        self.padding = padding.lower()
+        if data_format is None:
+            data_format = keras.config.image_data_format()
+        if not isinstance(data_format, str) or data_format.lower() not in _DATA_FORMATS:
+            raise ValueError(f"The `data_format` argument must be one of {_DATA_FORMATS} or "
+                             f"None. Received: data_format={data_format!r}")
+        self.data_format = data_format.lower()
+        if keep is not None and keep not in KEEP_CHOICES:
+            raise ValueError(f"The `keep` argument must be None or one of {KEEP_CHOICES}. "
+                             f"Received: keep={keep!r}")
+        self.keep = keep
+        self.input_spec = keras.layers.InputSpec(ndim=4)
+        self.built = True
+
+    # Keras's Layer.__init__ assigns supports_jit; the value is derived, so the setter ignores it.
+    @property
+    def supports_jit(self):
+        return self.resolved_keep() is None
+
+    @supports_jit.setter
+    def supports_jit(self, value):
+        pass
+
+    def resolved_keep(self):
+        """The backward mode a call traced now would use: "argmax", "input" or None (stock)."""
+        if keras.backend.backend() != "tensorflow":
+            return None
+        return self.keep if self.keep is not None else config.recompute_mode()
+
+    def call(self, inputs):
+        keep = self.resolved_keep()
+        if keep is None or _in_xla_context():
+            return keras.ops.max_pool(keras.ops.relu(inputs), pool_size=self.pool_size,
+                                      strides=self.strides, padding=self.padding,
+                                      data_format=self.data_format)
+        return relu_max_pool2d(
+            inputs, ksize=list(self.pool_size), strides=list(self.strides),
+            padding=self.padding.upper(),
+            data_format="NHWC" if self.data_format == "channels_last" else "NCHW", keep=keep)
+
+    def compute_output_shape(self, input_shape):
+        input_shape = tuple(input_shape)
+        if len(input_shape) != 4:
+            raise ValueError(f"ReluMaxPool2D expects 4-D input, got shape {input_shape}")
+        rows, cols = (1, 2) if self.data_format == "channels_last" else (2, 3)
+        out = list(input_shape)
+        for axis, pool, stride in ((rows, self.pool_size[0], self.strides[0]),
+                                   (cols, self.pool_size[1], self.strides[1])):
+            out[axis] = pooled_size(input_shape[axis], pool, stride, self.padding)
+        return tuple(out)
+
+    def get_config(self):
+        config_ = super().get_config()
+        config_.update({
+            "pool_size": self.pool_size,
+            "strides": self.strides,
+            "padding": self.padding,
+            "data_format": self.data_format,
+            "keep": self.keep,
+        })
+        return config_
