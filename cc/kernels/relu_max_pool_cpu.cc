@@ -16,10 +16,12 @@ namespace {
 template <typename T>
 using Acc = typename ValueTraits<T>::Acc;
 
-// Stock ReLU: v > 0 ? v : +0, NaN kept (`v <= 0` is false for NaN).
+// ReLU as std::max(v, 0): negative -> +0, -0 and NaN kept. This is what stock Relu does for
+// half and bfloat16 everywhere, and for float/double outside Eigen's vector packets (inside them
+// it gives +0 for -0, so stock's sign of a zero result depends on the element's position).
 template <typename A>
 inline A Relu(A v) {
-  return v <= A(0) ? A(0) : v;
+  return v < A(0) ? A(0) : v;
 }
 
 // Rough cycles per element, for the runner's split.
