@@ -4,8 +4,13 @@ from tf_relupool.ops import KEEP_ARGMAX, KEEP_INPUT, relu_max_pool2d
 from tf_relupool.config import (disable_recompute, enable_recompute, recompute,
                                 recompute_enabled, recompute_mode)
 from tf_relupool.layers import ReluMaxPool2D
+from tf_relupool.rewrite_graph import rewrite_function, rewrite_graph
+from tf_relupool.rewrite_model import rewrite_model
+from tf_relupool.saved_model import load_saved_model
+
 
 __all__ = ["KEEP_ARGMAX", "KEEP_INPUT", "OpLibraryError", "load_library", "relu_max_pool2d",
            "ReluMaxPool2D", "disable_recompute", "enable_recompute", "recompute",
-           "recompute_enabled", "recompute_mode"]
+           "recompute_enabled", "recompute_mode", "rewrite_function", "rewrite_graph",
+           "rewrite_model", "load_saved_model"]
 __version__ = "0.1.0"

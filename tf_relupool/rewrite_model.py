@@ -1,0 +1,276 @@
+"""rewrite_model: a copy of a Keras model with ReLU + MaxPooling2D pairs fused into ReluMaxPool2D.
+
+Fusable, when the ReLU's output has no consumer but the MaxPooling2D (and is no model output):
+  - Conv*/Dense/... with activation="relu" -> MaxPooling2D: the layer gets activation="linear",
+    the pool becomes ReluMaxPool2D with the same arguments;
+  - ReLU() (default arguments) or Activation("relu") -> MaxPooling2D: the ReLU layer is dropped,
+    the pool becomes ReluMaxPool2D.
+Everything else is copied as it is (weights included); patterns that look like a candidate but
+cannot be fused (other activations, 1-D/3-D pooling, a ReLU with several consumers, a layer with
+a ReLU activation called at several places, different dtype policies) get one INFO line on the
+"tf_relupool" logger. Nested Sequential/Functional models are rewritten recursively; a ReLU at
+the end of a nested model is not fused with a pool in the outer model.
+
+Uses Keras 3's Functional graph (`_nodes_by_depth`, node arguments): private Keras attributes,
+stable across Keras 3.x.
+"""
+import logging
+
+import keras
+
+from tf_relupool import config
+from tf_relupool.layers import ReluMaxPool2D
+from tf_relupool.ops import KEEP_CHOICES
+
+logger = logging.getLogger("tf_relupool")
+
+_OTHER_POOLS = (keras.layers.MaxPooling1D, keras.layers.MaxPooling3D,
+                keras.layers.GlobalMaxPooling1D, keras.layers.GlobalMaxPooling2D,
+                keras.layers.GlobalMaxPooling3D)
+
+
+def _activation_name(layer):
+    """'relu' for a plain ReLU, another name for other activations, None for no activation."""
+    if isinstance(layer, keras.layers.ReLU):
+        cfg = layer.get_config()
+        plain = (cfg.get("max_value") is None and not cfg.get("negative_slope")
+                 and not cfg.get("threshold"))
+        return "relu" if plain else "ReLU(" + ", ".join(
+            f"{k}={cfg.get(k)}" for k in ("max_value", "negative_slope", "threshold")) + ")"
+    if isinstance(layer, (keras.layers.LeakyReLU, keras.layers.ELU, keras.layers.PReLU,
+                          keras.layers.Softmax)):
+        return type(layer).__name__
+    if isinstance(layer, keras.layers.Activation) or hasattr(layer, "activation"):
+        act = getattr(layer, "activation", None)
+        if act is None or not callable(act):
+            return None
+        name = keras.activations.serialize(act)
+        if isinstance(name, dict):
+            name = name.get("config", name.get("class_name"))
+        name = str(name)
+        return None if name == "linear" else name
+    return None
+
+
+def _kind(layer):
+    """'drop' (ReLU/Activation layer), 'linearize' (layer with activation="relu"), or None."""
+    if isinstance(layer, (keras.layers.ReLU, keras.layers.Activation)):
+        return "drop"
+    if isinstance(layer, keras.Model) or "activation" not in layer.get_config():
+        return None
+    return "linearize"
+
+
+def _clone(layer, overrides=None):
+    config_ = layer.get_config()
+    config_.update(overrides or {})
+    return layer.__class__.from_config(config_)
+
+
+def _fused_pool(pool, keep):
+    config_ = pool.get_config()
+    return ReluMaxPool2D(pool_size=config_["pool_size"], strides=config_["strides"],
+                         padding=config_["padding"], data_format=config_["data_format"],
+                         keep=keep, name=config_["name"], dtype=config_.get("dtype"),
+                         trainable=config_.get("trainable", True))
+
+
+class _Rewriter:
+    def __init__(self, keep):
+        self.keep = keep
+        self.copies = {}     # id(old layer) -> new layer (shared layers stay shared)
+        self.pairs = []      # (old layer, new layer) to copy weights into after building
+        self.fused = 0
+
+    def copy_layer(self, layer, overrides=None):
+        key = (id(layer), bool(overrides))
+        if key not in self.copies:
+            if isinstance(layer, keras.Model):
+                nested = _Rewriter(self.keep)  # builds and fills its own layers
+                new = nested.rewrite(layer)
+                self.fused += nested.fused
+            else:
+                try:
+                    new = _clone(layer, overrides)
+                except Exception as e:  # a custom layer without a usable get_config
+                    raise ValueError(
+                        f"rewrite_model cannot copy layer {layer.name!r} "
+                        f"({type(layer).__name__}): {e}") from e
+                self.pairs.append((layer, new))
+            self.copies[key] = new
+        return self.copies[key]
+
+    def rewrite(self, model):
+        if isinstance(model, keras.Sequential):
+            return self._sequential(model)
+        if hasattr(model, "_nodes_by_depth") and hasattr(model, "_outputs_struct"):
+            return self._functional(model)
+        raise ValueError(
+            f"rewrite_model takes a Sequential or Functional Keras model; {model.name!r} is a "
+            f"subclassed {type(model).__name__}. Use ReluMaxPool2D in its code instead, or "
+            "tf_relupool.rewrite_graph on its traced graph.")
+
+    # -- deciding -----------------------------------------------------------------------------
+    def _check(self, producer, pool, n_consumers, n_calls, where):
+        """True if producer -> pool can be fused; logs why not for candidates."""
+        act = _activation_name(producer)
+        if isinstance(pool, _OTHER_POOLS):
+            if act == "relu":
+                logger.info("rewrite_model: %s -> %s not fused: only 2-D max pooling has a "
+                            "fused op", producer.name, pool.name)
+            return False
+        if not isinstance(pool, keras.layers.MaxPooling2D) or isinstance(pool, ReluMaxPool2D):
+            return False
+        if act is None:
+            return False
+        if act != "relu":
+            logger.info("rewrite_model: %s -> %s not fused: activation %s is not ReLU",
+                        producer.name, pool.name, act)
+            return False
+        if _kind(producer) is None:
+            return False
+        if n_consumers != 1:
+            logger.info("rewrite_model: %s -> %s not fused: the ReLU output has %d consumers%s",
+                        producer.name, pool.name, n_consumers, where)
+            return False
+        if n_calls != 1 and _kind(producer) == "linearize":
+            logger.info("rewrite_model: %s -> %s not fused: %s is called at %d places",
+                        producer.name, pool.name, producer.name, n_calls)
+            return False
+        if producer.compute_dtype != pool.compute_dtype:
+            logger.info("rewrite_model: %s -> %s not fused: compute dtypes differ (%s, %s)",
+                        producer.name, pool.name, producer.compute_dtype, pool.compute_dtype)
+            return False
+        logger.info("rewrite_model: fused %s -> %s into ReluMaxPool2D", producer.name, pool.name)
+        self.fused += 1
+        return True
+
+    # -- Sequential ---------------------------------------------------------------------------
+    def _sequential(self, model):
+        layers = list(model._layers)
+        new_layers = []
+        i = 0
+        while i < len(layers):
+            layer = layers[i]
+            nxt = layers[i + 1] if i + 1 < len(layers) else None
+            if nxt is not None and not isinstance(layer, keras.layers.InputLayer) and \
+                    self._check(layer, nxt, 1, 1, ""):
+                if _kind(layer) == "linearize":
+                    new_layers.append(self.copy_layer(layer, {"activation": "linear"}))
+                new_layers.append(_fused_pool(nxt, self.keep))
+                i += 2
+                continue
+            new_layers.append(self.copy_layer(layer))
+            i += 1
+        new = keras.Sequential(new_layers, name=model.name, trainable=model.trainable)
+        if model.built and not new.built and model.inputs:
+            new.build(model.inputs[0].shape)
+        self._carry_weights()
+        return new
+
+    # -- Functional ---------------------------------------------------------------------------
+    def _functional(self, model):
+        nodes = [n for depth in sorted(model._nodes_by_depth, reverse=True)
+                 for n in model._nodes_by_depth[depth]]
+        node_ids = {id(n) for n in nodes}
+        consumers = {}
+        for n in nodes:
+            for t in n.input_tensors:
+                consumers[id(t)] = consumers.get(id(t), 0) + 1
+        for t in keras.tree.flatten(model._outputs_struct):
+            consumers[id(t)] = consumers.get(id(t), 0) + 1
+        calls = {}
+        for n in nodes:
+            if n.operation is not None:
+                calls[id(n.operation)] = calls.get(id(n.operation), 0) + 1
+
+        fused_pools, fused_producers = {}, {}  # id(node) -> producer node / kind
+        for n in nodes:
+            if n.operation is None or n.is_input or len(n.input_tensors) != 1:
+                continue
+            t = n.input_tensors[0]
+            op, node_index, _ = t._keras_history
+            if op is None or len(op._inbound_nodes) <= node_index:
+                continue
+            producer = op._inbound_nodes[node_index]
+            if id(producer) not in node_ids or producer.is_input or \
+                    len(producer.input_tensors) != 1 or len(producer.outputs) != 1:
+                continue
+            where = "" if consumers.get(id(t), 0) == 1 else " (it feeds several layers or is " \
+                "a model output)"
+            if self._check(op, n.operation, consumers.get(id(t), 0), calls[id(op)], where):
+                fused_pools[id(n)] = producer
+                fused_producers[id(producer)] = _kind(op)
+
+        tensors = {}
+        new_inputs = []
+        for x in keras.tree.flatten(model._inputs_struct):
+            layer = x._keras_history[0]
+            new_x = keras.layers.InputLayer.from_config(layer.get_config()).output
+            tensors[id(x)] = new_x
+            new_inputs.append(new_x)
+        for n in nodes:
+            if n.operation is None or n.is_input:
+                continue
+            if any(id(t) not in tensors for t in n.input_tensors):
+                continue
+            args, kwargs = n.arguments.fill_in(tensors)
+            kind = fused_producers.get(id(n))
+            if kind == "drop":  # the fused pool applies this ReLU
+                outputs = tensors[id(n.input_tensors[0])]
+            elif kind == "linearize":
+                outputs = self.copy_layer(n.operation, {"activation": "linear"})(*args, **kwargs)
+            elif id(n) in fused_pools:
+                outputs = _fused_pool(n.operation, self.keep)(*args, **kwargs)
+            else:
+                outputs = self.copy_layer(n.operation)(*args, **kwargs)
+            for old, new in zip(n.outputs, keras.tree.flatten(outputs)):
+                tensors[id(old)] = new
+        outputs = [tensors[id(t)] for t in keras.tree.flatten(model._outputs_struct)]
+        new = keras.Model(
+            inputs=keras.tree.pack_sequence_as(model._inputs_struct, new_inputs),
+            outputs=keras.tree.pack_sequence_as(model._outputs_struct, outputs),
+            name=model.name, trainable=model.trainable)
+        self._carry_weights()
+        return new
+
+    def _carry_weights(self):
+        pairs, self.pairs = self.pairs, []
+        for old, new in pairs:
+            weights = old.get_weights()
+            if weights:
+                new.set_weights(weights)
+
+
+def rewrite_model(model, keep=None):
+    """Returns a copy of `model` in which ReLU + MaxPooling2D pairs are fused into ReluMaxPool2D.
+
+    Args:
+      model: a Sequential or Functional Keras 3 model (nested models are rewritten too).
+      keep: the `keep` of the new ReluMaxPool2D layers. None (default): they follow the global
+        switch when traced, so with `tf_relupool.enable_recompute()` they run the fused op and
+        with the switch off the stock ops (same numbers). "argmax" or "input": always fused,
+        with that backward.
+
+    Returns:
+      A new, uncompiled model with the same inputs, outputs, names and weights (copied, not
+      shared): outputs are identical to `model`'s. If `model` was compiled, the copy is compiled
+      from `model.get_compile_config()` (a fresh optimizer: its state is not carried over).
+
+    Raises:
+      ValueError: `keep` is invalid, or `model` is subclassed (not Sequential/Functional).
+    """
+    if keep is not None and keep not in KEEP_CHOICES:
+        raise ValueError(f"keep must be None or one of {KEEP_CHOICES}, got {keep!r}")
+    if not isinstance(model, keras.Model):
+        raise ValueError(f"rewrite_model takes a Keras model, got {type(model).__name__}")
+    rewriter = _Rewriter(keep)
+    new = rewriter.rewrite(model)
+    logger.info("rewrite_model: %s: %d ReLU + MaxPooling2D pair(s) fused (keep=%s, switch=%s)",
+                model.name, rewriter.fused, keep, config.recompute_mode())
+    if getattr(model, "compiled", False):
+        try:
+            new.compile_from_config(model.get_compile_config())
+        except Exception as e:  # custom losses/metrics that do not deserialize
+            logger.info("rewrite_model: the copy is not compiled (%s); compile it yourself", e)
+    return new
