@@ -1,0 +1,145 @@
+"""The global recompute switch: API, context manager, environment variable, effect on layers."""
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tf_relupool
+from tf_relupool import config
+
+
+@pytest.fixture(autouse=True)
+def switch_off():
+    tf_relupool.disable_recompute()
+    yield
+    tf_relupool.disable_recompute()
+
+
+def traced_op_types(layer, shape=(2, 6, 6, 3)):
+    fn = tf.function(lambda x: layer(x)).get_concrete_function(tf.TensorSpec(shape))
+    return {op.type for op in fn.graph.get_operations()}
+
+
+def test_default_is_off():
+    assert tf_relupool.recompute_mode() is None
+    assert tf_relupool.recompute_enabled() is False
+
+
+def test_enable_default_is_lowest_memory_argmax():
+    tf_relupool.enable_recompute()
+    assert tf_relupool.recompute_mode() == "argmax"
+    assert tf_relupool.recompute_enabled() is True
+    tf_relupool.enable_recompute("input")
+    assert tf_relupool.recompute_mode() == "input"
+    tf_relupool.disable_recompute()
+    assert tf_relupool.recompute_mode() is None
+
+
+@pytest.mark.parametrize("bad", ["Argmax", "z", "", 1, None])
+def test_enable_rejects_bad_keep(bad):
+    with pytest.raises(ValueError, match="keep"):
+        tf_relupool.enable_recompute(bad)
+    assert tf_relupool.recompute_mode() is None
+
+
+def test_context_manager_sets_and_restores_even_on_error():
+    with tf_relupool.recompute() as mode:
+        assert mode == "argmax" and tf_relupool.recompute_mode() == "argmax"
+        with tf_relupool.recompute("input"):
+            assert tf_relupool.recompute_mode() == "input"
+            with tf_relupool.recompute(None):  # temporarily off
+                assert tf_relupool.recompute_mode() is None
+            assert tf_relupool.recompute_mode() == "input"
+        assert tf_relupool.recompute_mode() == "argmax"
+    assert tf_relupool.recompute_mode() is None
+    tf_relupool.enable_recompute("input")
+    with pytest.raises(KeyError):
+        with tf_relupool.recompute(False):
+            assert not tf_relupool.recompute_enabled()
+            raise KeyError("boom")
+    assert tf_relupool.recompute_mode() == "input"
+    with pytest.raises(ValueError, match="keep"):
+        with tf_relupool.recompute("both"):
+            pass
+
+
+@pytest.mark.parametrize("value,mode", [
+    ("0", None), ("off", None), ("OFF", None), ("false", None), ("", None),
+    ("1", "argmax"), ("on", "argmax"), ("argmax", "argmax"), (" Argmax ", "argmax"),
+    ("input", "input"), ("INPUT", "input")])
+def test_parse_env_value(value, mode):
+    assert config.parse_env_value(value) == mode
+
+
+def test_parse_env_value_rejects_unknown():
+    with pytest.raises(ValueError, match="TF_RELUPOOL_RECOMPUTE"):
+        config.parse_env_value("fast")
+
+
+def test_environment_read_at_import_in_fresh_process(tmp_path):
+    code = ("import warnings, tf_relupool as t; warnings.simplefilter('error');"
+            "print('MODE', t.recompute_mode())")
+    results = {}
+    for value in ("input", "1", "off"):
+        env = dict(os.environ, TF_RELUPOOL_RECOMPUTE=value, TF_CPP_MIN_LOG_LEVEL="3")
+        out = subprocess.run([sys.executable, "-c", code], env=env, cwd=tmp_path,
+                             capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr[-2000:]
+        results[value] = out.stdout.split("MODE")[-1].strip()
+    assert results == {"input": "input", "1": "argmax", "off": "None"}
+
+
+def test_bad_environment_value_warns_and_stays_off(monkeypatch):
+    monkeypatch.setenv("TF_RELUPOOL_RECOMPUTE", "maybe")
+    with pytest.warns(RuntimeWarning, match="TF_RELUPOOL_RECOMPUTE"):
+        config._init_from_environment()
+    assert tf_relupool.recompute_mode() is None
+    monkeypatch.setenv("TF_RELUPOOL_RECOMPUTE", "input")
+    config._init_from_environment()
+    assert tf_relupool.recompute_mode() == "input"
+
+
+def test_layer_follows_switch_at_trace_time():
+    layer = tf_relupool.ReluMaxPool2D()
+    stock = traced_op_types(layer)
+    assert {"Relu", "MaxPool"} <= stock and not any("ReluMaxPool" in t for t in stock)
+    assert layer.supports_jit
+    with tf_relupool.recompute():
+        assert "ReluMaxPoolWithWindowArgmax" in traced_op_types(layer)
+        assert not layer.supports_jit
+    with tf_relupool.recompute("input"):
+        ops = traced_op_types(layer)
+        assert "ReluMaxPool" in ops and "MaxPool" not in ops
+    # an explicit keep ignores the switch
+    forced = tf_relupool.ReluMaxPool2D(keep="input")
+    assert "ReluMaxPool" in traced_op_types(forced)
+    tf_relupool.enable_recompute()
+    assert "ReluMaxPool" in traced_op_types(forced)
+
+
+def test_switch_values_are_identical_numerically():
+    x = tf.random.stateless_normal([2, 7, 7, 3], seed=[1, 2])
+    layer = tf_relupool.ReluMaxPool2D(3, 2, "same")
+    outs = []
+    for mode in (None, "argmax", "input"):
+        with tf_relupool.recompute(mode):
+            with tf.GradientTape() as tape:
+                tape.watch(x)
+                y = tf.function(layer)(x)
+            outs.append((y.numpy(), tape.gradient(y, x, output_gradients=y + 1).numpy()))
+    for y, dx in outs[1:]:
+        np.testing.assert_array_equal(y, outs[0][0])
+        np.testing.assert_array_equal(dx, outs[0][1])
+
+
+def test_switch_is_seen_by_other_threads():
+    import threading
+    seen = []
+    with tf_relupool.recompute("input"):
+        t = threading.Thread(target=lambda: seen.append(tf_relupool.recompute_mode()))
+        t.start()
+        t.join()
+    assert seen == ["input"]
