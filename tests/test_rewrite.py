@@ -1,0 +1,306 @@
+"""rewrite_model (Keras models) and rewrite_graph / rewrite_function (GraphDefs)."""
+import logging
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
+
+import tf_relupool
+from tf_relupool import ReluMaxPool2D
+
+L = keras.layers
+X = np.random.default_rng(0).normal(size=(2, 16, 16, 3)).astype("float32")
+
+
+@pytest.fixture(autouse=True)
+def switch_off():
+    tf_relupool.disable_recompute()
+    yield
+    tf_relupool.disable_recompute()
+
+
+def kinds(model):
+    return [type(layer).__name__ for layer in model.layers]
+
+
+def assert_same_outputs(a, b, x=X):
+    for u, v in zip(keras.tree.flatten(a(x)), keras.tree.flatten(b(x))):
+        np.testing.assert_array_equal(np.asarray(u), np.asarray(v))
+
+
+def assert_weights_copied(old, new):
+    ow, nw = old.get_weights(), new.get_weights()
+    assert len(ow) == len(nw) > 0
+    for u, v in zip(ow, nw):
+        np.testing.assert_array_equal(u, v)
+    assert not any(a is b for a in old.weights for b in new.weights)  # copied, not shared
+
+
+# -- rewrite_model ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("keep", [None, "argmax", "input"])
+def test_sequential_all_three_relu_forms(keep, caplog):
+    model = keras.Sequential([
+        keras.Input((16, 16, 3)),
+        L.Conv2D(4, 3, activation="relu"), L.MaxPooling2D(),
+        L.Conv2D(4, 3, padding="same"), L.ReLU(), L.MaxPooling2D(padding="same"),
+        L.Dense(5, activation="relu"), L.MaxPooling2D(1),
+        L.Activation("relu"), L.MaxPooling2D(1, name="last_pool"),
+        L.Flatten(), L.Dense(3)], name="seq")
+    with caplog.at_level(logging.INFO, logger="tf_relupool"):
+        new = tf_relupool.rewrite_model(model, keep=keep)
+    assert isinstance(new, keras.Sequential) and new.name == "seq"
+    assert kinds(new) == ["Conv2D", "ReluMaxPool2D", "Conv2D", "ReluMaxPool2D", "Dense",
+                          "ReluMaxPool2D", "ReluMaxPool2D", "Flatten", "Dense"]
+    assert new.layers[0].get_config()["activation"] == "linear"
+    assert new.layers[4].get_config()["activation"] == "linear"
+    assert model.layers[0].get_config()["activation"] == "relu"  # original untouched
+    assert all(l.keep == keep for l in new.layers if isinstance(l, ReluMaxPool2D))
+    assert new.get_layer("last_pool").pool_size == (1, 1)
+    assert_weights_copied(model, new)
+    assert_same_outputs(model, new)
+    with tf_relupool.recompute():
+        assert_same_outputs(model, new)
+    assert "4 ReLU + MaxPooling2D pair(s) fused" in caplog.text
+
+
+def test_functional_branches_and_unfusable_patterns_are_logged(caplog):
+    inp = keras.Input((16, 16, 3))
+    a = L.Conv2D(4, 3, padding="same")(inp)
+    r = L.ReLU(name="relu_branch")(a)                        # feeds two layers: not fused
+    s = L.Add()([L.MaxPooling2D(name="pool_branch")(r), L.Conv2D(4, 1, strides=2)(r)])
+    c = L.Conv2D(4, 3, activation="relu", name="conv_fused")(s)
+    p = L.MaxPooling2D(name="pool_fused")(c)
+    e = L.Conv2D(4, 1, activation="elu", name="conv_elu")(p)
+    q = L.MaxPooling2D(1, name="pool_elu")(e)                # other activation
+    capped = L.MaxPooling2D(1)(L.ReLU(max_value=6.0, name="relu6")(q))
+    g = L.GlobalMaxPooling2D()(L.ReLU(name="relu_global")(capped))  # not 2-D pooling
+    out_relu = L.Conv2D(2, 1, activation="relu", name="conv_out")(capped)
+    model = keras.Model(inp, [L.Flatten()(L.MaxPooling2D(1)(out_relu)), g, out_relu])
+    with caplog.at_level(logging.INFO, logger="tf_relupool"):
+        new = tf_relupool.rewrite_model(model)
+    types = {l.name: type(l).__name__ for l in new.layers}
+    assert types["pool_branch"] == "MaxPooling2D" and types["relu_branch"] == "ReLU"
+    assert types["pool_fused"] == "ReluMaxPool2D"
+    assert new.get_layer("conv_fused").get_config()["activation"] == "linear"
+    assert types["pool_elu"] == "MaxPooling2D"
+    assert "relu6" in types and "relu_global" in types
+    assert new.get_layer("conv_out").get_config()["activation"] == "relu"  # also a model output
+    assert sum(t == "ReluMaxPool2D" for t in types.values()) == 1
+    assert_same_outputs(model, new)
+    log = caplog.text
+    assert "has 2 consumers" in log
+    assert "activation elu is not ReLU" in log
+    assert "ReLU(max_value=6.0" in log
+    assert "only 2-D max pooling" in log
+    assert "conv_out -> " in log and "not fused" in log
+
+
+def test_nested_models_are_rewritten_recursively():
+    inner_seq = keras.Sequential([L.Conv2D(4, 3, activation="relu"), L.MaxPooling2D()],
+                                 name="inner_seq")
+    i = keras.Input((7, 7, 4))
+    inner_fn = keras.Model(i, L.MaxPooling2D(padding="same")(L.Activation("relu")(i)),
+                           name="inner_fn")
+    inp = keras.Input((16, 16, 3))
+    x = inner_fn(inner_seq(inp))
+    model = keras.Model(inp, L.Dense(2)(L.Flatten()(x)))
+    new = tf_relupool.rewrite_model(model, keep="argmax")
+    assert kinds(new.get_layer("inner_seq")) == ["Conv2D", "ReluMaxPool2D"]
+    assert kinds(new.get_layer("inner_fn")) == ["InputLayer", "ReluMaxPool2D"]
+    assert new.get_layer("inner_seq") is not inner_seq
+    assert_weights_copied(model, new)
+    assert_same_outputs(model, new)
+
+
+def test_shared_layer_is_not_linearized(caplog):
+    conv = L.Conv2D(3, 1, activation="relu", name="shared_conv")
+    inp = keras.Input((8, 8, 3))
+    model = keras.Model(inp, L.Add()([L.MaxPooling2D()(conv(inp)),
+                                       L.MaxPooling2D()(conv(L.Identity()(inp)))]))
+    with caplog.at_level(logging.INFO, logger="tf_relupool"):
+        new = tf_relupool.rewrite_model(model)
+    assert "called at 2 places" in caplog.text
+    assert "ReluMaxPool2D" not in kinds(new)
+    assert_same_outputs(model, new, X[:, :8, :8])
+
+
+def test_already_fused_and_plain_models_unchanged():
+    model = keras.Sequential([keras.Input((8, 8, 3)), L.Conv2D(2, 1), ReluMaxPool2D(keep="input"),
+                              L.MaxPooling2D(), L.Flatten()])
+    new = tf_relupool.rewrite_model(model)
+    assert kinds(new) == kinds(model)
+    assert_same_outputs(model, new, X[:, :8, :8])
+
+
+def test_compiled_model_copy_is_compiled_and_trains():
+    model = keras.Sequential([keras.Input((8, 8, 3)), L.Conv2D(2, 3, activation="relu"),
+                              L.MaxPooling2D(), L.Flatten(), L.Dense(1)])
+    model.compile(optimizer="sgd", loss="mse")
+    new = tf_relupool.rewrite_model(model, keep="argmax")
+    assert new.compiled
+    new.fit(np.ones((4, 8, 8, 3)), np.ones((4, 1)), verbose=0)
+
+
+def test_rewrite_model_bad_arguments():
+    with pytest.raises(ValueError, match="keep"):
+        tf_relupool.rewrite_model(keras.Sequential([L.Dense(1)]), keep="both")
+    with pytest.raises(ValueError, match="Keras model"):
+        tf_relupool.rewrite_model(L.Dense(1))
+
+    class Sub(keras.Model):
+        def call(self, x):
+            return x
+    with pytest.raises(ValueError, match="subclassed"):
+        tf_relupool.rewrite_model(Sub())
+
+
+# -- rewrite_graph ------------------------------------------------------------------------------
+
+W = tf.Variable(tf.random.stateless_normal([3, 3, 3, 4], seed=[0, 1]))
+
+
+def graph_ops(graph_def):
+    return [n.op for n in graph_def.node]
+
+
+def conv_pool_step(ksize, strides, padding, data_format="NHWC", extra_consumer=False):
+    @tf.function
+    def step(x):
+        with tf.GradientTape() as tape:
+            z = tf.nn.conv2d(x, W, 1, "SAME")
+            if data_format == "NCHW":
+                z = tf.transpose(z, [0, 3, 1, 2])
+            r = tf.nn.relu(z)
+            y = tf.nn.max_pool2d(r, ksize, strides, padding, data_format=data_format)
+            loss = tf.reduce_sum(y * y)
+            if extra_consumer:
+                loss += tf.reduce_sum(r)
+        return loss, tape.gradient(loss, W)
+    return step.get_concrete_function(tf.TensorSpec([2, 9, 9, 3]))
+
+
+@settings(max_examples=12, deadline=None)
+@given(ksize=st.integers(1, 3), strides=st.integers(1, 3),
+       padding=st.sampled_from(["VALID", "SAME"]), data_format=st.sampled_from(["NHWC", "NCHW"]),
+       keep=st.sampled_from(["argmax", "input"]))
+def test_rewrite_function_with_gradient_is_bitwise_equal(ksize, strides, padding, data_format,
+                                                          keep):
+    assume(not _ALIASING_BUG_CASE(ksize, strides, padding, keep))  # see the xfail test below
+    cf = conv_pool_step(ksize, strides, padding, data_format)
+    fused = tf_relupool.rewrite_function(cf, keep=keep)
+    ops = graph_ops(fused.graph.as_graph_def())
+    assert "Relu" not in ops and "MaxPool" not in ops
+    assert "MaxPoolGrad" not in ops and "ReluGrad" not in ops
+    if keep == "argmax":
+        assert {"ReluMaxPoolWithWindowArgmax", "ReluMaxPoolGradFromWindowArgmax"} <= set(ops)
+    else:
+        assert {"ReluMaxPool", "ReluMaxPoolGrad"} <= set(ops)
+    x = tf.random.stateless_normal([2, 9, 9, 3], seed=[ksize, strides])
+    for got, want in zip(fused(x), cf(x)):
+        np.testing.assert_array_equal(got.numpy(), want.numpy())
+
+
+def _ALIASING_BUG_CASE(ksize, strides, padding, keep):
+    return keep == "input" and strides == 1 and padding == "SAME" and ksize > 1
+
+
+@pytest.mark.xfail(strict=False, reason=(
+    "op library bug: ReluMaxPoolGrad forwards its `grad` input buffer to `input_grad` "
+    "(forward_input_or_allocate_output({1}, ...) in cc/ops/relu_max_pool_kernels.cc) when the "
+    "pooled shape equals the input shape (stride 1, SAME); with overlapping windows the kernel "
+    "then reads dy values it has already overwritten. Seen in graphs, where dy has no other user."))
+def test_keep_input_gradient_stride1_same_in_graph():
+    cf = conv_pool_step(2, 1, "SAME")
+    x = tf.random.stateless_normal([2, 9, 9, 3], seed=[2, 1])
+    for got, want in zip(tf_relupool.rewrite_function(cf, keep="input")(x), cf(x)):
+        np.testing.assert_array_equal(got.numpy(), want.numpy())
+
+
+def test_rewrite_graph_forward_only_and_input_untouched():
+    @tf.function
+    def f(x):
+        return tf.nn.max_pool2d(tf.nn.relu(x * 2.0), 2, 2, "VALID") + 1.0
+    cf = f.get_concrete_function(tf.TensorSpec([1, 4, 4, 2]))
+    gd = cf.graph.as_graph_def()
+    before = gd.SerializeToString()
+    new = tf_relupool.rewrite_graph(gd, keep="input")
+    assert gd.SerializeToString() == before
+    assert "ReluMaxPool" in graph_ops(new) and "Relu" not in graph_ops(new)
+    x = tf.random.stateless_normal([1, 4, 4, 2], seed=[3, 3])
+    np.testing.assert_array_equal(tf_relupool.rewrite_function(cf)(x).numpy(), cf(x).numpy())
+
+
+def test_relu_with_other_consumers_left_in_place(caplog):
+    cf = conv_pool_step(2, 2, "VALID", extra_consumer=True)
+    with caplog.at_level(logging.INFO, logger="tf_relupool"):
+        new = tf_relupool.rewrite_graph(cf.graph.as_graph_def())
+    assert graph_ops(new) == graph_ops(cf.graph.as_graph_def())
+    assert "MaxPool2d' after Relu 'Relu' not fused" in caplog.text
+
+    @tf.function
+    def f(x):
+        r = tf.nn.relu(x)
+        return tf.nn.max_pool2d(r, 2, 2, "VALID"), r
+    gd = f.get_concrete_function(tf.TensorSpec([1, 4, 4, 1])).graph.as_graph_def()
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="tf_relupool"):
+        assert graph_ops(tf_relupool.rewrite_graph(gd)) == graph_ops(gd)
+    assert "the Relu has other consumers" in caplog.text
+
+
+def test_keep_none_follows_switch_else_argmax():
+    gd = conv_pool_step(2, 2, "VALID").graph.as_graph_def()
+    assert "ReluMaxPoolWithWindowArgmax" in graph_ops(tf_relupool.rewrite_graph(gd))
+    with tf_relupool.recompute("input"):
+        assert "ReluMaxPoolGrad" in graph_ops(tf_relupool.rewrite_graph(gd))
+    with pytest.raises(ValueError, match="keep"):
+        tf_relupool.rewrite_graph(gd, keep="z")
+
+
+def test_control_dependencies_move_to_replacements():
+    @tf.function
+    def f(x):
+        r = tf.nn.relu(x)
+        y = tf.nn.max_pool2d(r, 2, 2, "VALID")
+        with tf.control_dependencies([r.op]):
+            c = tf.identity(x)
+        return y, c
+    cf = f.get_concrete_function(tf.TensorSpec([1, 4, 4, 1]))
+    new = tf_relupool.rewrite_graph(cf.graph.as_graph_def())
+    names = {n.name for n in new.node}
+    for n in new.node:
+        for i in n.input:
+            assert i.lstrip("^").split(":")[0] in names, (n.name, i)
+    x = tf.random.stateless_normal([1, 4, 4, 1], seed=[5, 6])
+    for got, want in zip(tf_relupool.rewrite_function(cf)(x), cf(x)):
+        np.testing.assert_array_equal(got.numpy(), want.numpy())
+
+
+def test_keras_model_training_step_graph_rewrite():
+    keras.utils.set_random_seed(1)
+    model = keras.Sequential([keras.Input((8, 8, 3)), L.Conv2D(4, 3, activation="relu"),
+                              L.MaxPooling2D(), L.Flatten(), L.Dense(2)])
+
+    @tf.function
+    def grads(x):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(model(x) ** 2)
+        return loss, tape.gradient(loss, model.trainable_variables)
+
+    cf = grads.get_concrete_function(tf.TensorSpec([4, 8, 8, 3]))
+    fused = tf_relupool.rewrite_function(cf)
+    assert "ReluMaxPoolGradFromWindowArgmax" in graph_ops(fused.graph.as_graph_def())
+    x = tf.random.stateless_normal([4, 8, 8, 3], seed=[1, 1])
+    got, want = fused(x), cf(x)
+    np.testing.assert_array_equal(got[0].numpy(), want[0].numpy())
+    for g, w in zip(got[1], want[1]):
+        np.testing.assert_array_equal(g.numpy(), w.numpy())
+
+
+def test_rewrite_function_rejects_non_concrete():
+    with pytest.raises(ValueError, match="concrete function"):
+        tf_relupool.rewrite_function(lambda x: x)
