@@ -14,3 +14,11 @@ __all__ = ["KEEP_ARGMAX", "KEEP_INPUT", "OpLibraryError", "load_library", "relu_
            "recompute_enabled", "recompute_mode", "rewrite_function", "rewrite_graph",
            "rewrite_model", "load_saved_model"]
 __version__ = "0.1.0"
+
+# Register the ops at import, so that GraphDefs and SavedModels naming them load after
+# `import tf_relupool`. A library that cannot load does not break the import: the same
+# OpLibraryError, with its explanation, is raised at the first use of an op.
+try:
+    load_library()
+except OpLibraryError:
+    pass
