@@ -116,6 +116,31 @@ def test_nested_models_are_rewritten_recursively():
     assert_same_outputs(model, new)
 
 
+@pytest.mark.parametrize("data_format,policy", [("channels_first", "float32"),
+                                                ("channels_last", "mixed_bfloat16")])
+def test_resnet_stem_channels_first_and_mixed_precision(data_format, policy):
+    keras.mixed_precision.set_global_policy(policy)
+    try:
+        keras.utils.set_random_seed(5)
+        shape = (16, 16, 3) if data_format == "channels_last" else (3, 16, 16)
+        inp = keras.Input(shape)
+        x = L.Conv2D(4, 3, padding="same", use_bias=False, data_format=data_format)(inp)
+        x = L.BatchNormalization(axis=-1 if data_format == "channels_last" else 1)(x)
+        x = L.ReLU()(x)
+        x = L.MaxPooling2D(3, 2, padding="same", data_format=data_format)(x)
+        model = keras.Model(inp, L.Dense(2, dtype="float32")(L.Flatten()(x)))
+        new = tf_relupool.rewrite_model(model, keep="argmax")
+        assert kinds(new) == ["InputLayer", "Conv2D", "BatchNormalization", "ReluMaxPool2D",
+                              "Flatten", "Dense"]
+        assert new.layers[3].data_format == data_format
+        assert new.layers[3].compute_dtype == model.layers[4].compute_dtype
+        x = X if data_format == "channels_last" else X.transpose(0, 3, 1, 2)
+        assert_same_outputs(model, new, x)
+        assert_weights_copied(model, new)
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+
+
 def test_shared_layer_is_not_linearized(caplog):
     conv = L.Conv2D(3, 1, activation="relu", name="shared_conv")
     inp = keras.Input((8, 8, 3))

@@ -44,7 +44,10 @@ def _activation_name(layer):
         act = getattr(layer, "activation", None)
         if act is None or not callable(act):
             return None
-        name = keras.activations.serialize(act)
+        try:
+            name = keras.activations.serialize(act)
+        except Exception:  # a custom activation Keras cannot name
+            name = getattr(act, "__name__", repr(act))
         if isinstance(name, dict):
             name = name.get("config", name.get("class_name"))
         name = str(name)
