@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "relu_max_pool.h"
@@ -22,6 +23,44 @@ using Acc = typename ValueTraits<T>::Acc;
 template <typename A>
 inline A Relu(A v) {
   return v < A(0) ? A(0) : v;
+}
+
+// take ? a : b on integers, without a branch.
+template <typename I>
+inline I SelectBits(bool take, I a, I b) {
+  const I mask = static_cast<I>(-static_cast<I>(take));
+  return static_cast<I>((a & mask) | (b & ~mask));
+}
+
+// Unsigned integer of T's size: selects of T values vectorise as bit operations (T may be a
+// 16-bit struct). AliasBits is the same type, allowed to alias T for writing T's buffers.
+template <int N>
+struct UIntOf;
+template <>
+struct UIntOf<2> {
+  using type = uint16_t;
+  typedef uint16_t __attribute__((may_alias)) alias;
+};
+template <>
+struct UIntOf<4> {
+  using type = uint32_t;
+  typedef uint32_t __attribute__((may_alias)) alias;
+};
+template <>
+struct UIntOf<8> {
+  using type = uint64_t;
+  typedef uint64_t __attribute__((may_alias)) alias;
+};
+template <typename T>
+using Bits = typename UIntOf<sizeof(T)>::type;
+template <typename T>
+using AliasBits = typename UIntOf<sizeof(T)>::alias;
+
+template <typename T>
+inline Bits<T> ToBits(T v) {
+  Bits<T> b;
+  std::memcpy(&b, &v, sizeof(b));
+  return b;
 }
 
 // Rough cycles per element, for the runner's split.
@@ -59,9 +98,11 @@ struct WindowScan {
             static_cast<int32_t>((h - win.row_begin) * p.code_pitch + (w - win.col_begin));
         for (int64_t l = 0; l < L; ++l) {
           const Acc<T> r = Relu(ValueTraits<T>::ToAcc(zp[l]));
-          const bool take = m[l] < r;
-          if (WithArgmax) ps[l] = take ? code : ps[l];
-          m[l] = take ? r : m[l];
+          const Acc<T> cur = m[l];
+          const bool take = cur < r;
+          m[l] = take ? r : cur;
+          // Branch-free select so that the loop vectorises (the data decides `take` at random).
+          if (WithArgmax) ps[l] = SelectBits(take, code, ps[l]);
         }
       }
     }
@@ -70,9 +111,17 @@ struct WindowScan {
   // The code stored for lane l: the argmax when it holds a positive value, else the sentinel.
   template <typename C>
   C Code(int64_t l) const {
-    return (first_nan[l] || !(max[l] > Acc<T>(0))) ? ArgmaxSentinel<C>() : static_cast<C>(pos[l]);
+    const bool none = first_nan[l] | !(max[l] > Acc<T>(0));
+    return SelectBits<C>(none, ArgmaxSentinel<C>(), static_cast<C>(pos[l]));
   }
 };
+
+template <typename T>
+inline T FromBits(Bits<T> b) {
+  T v;
+  std::memcpy(&v, &b, sizeof(v));
+  return v;
+}
 
 template <typename T>
 inline T AddAcc(T a, T b) {
@@ -81,7 +130,7 @@ inline T AddAcc(T a, T b) {
 // Stock ReluGrad's multiply by (relu(z) > 0 ? 1 : 0).
 template <typename T>
 inline T MaskAcc(T a, bool keep) {
-  return ValueTraits<T>::FromAcc(ValueTraits<T>::ToAcc(a) * (keep ? Acc<T>(1) : Acc<T>(0)));
+  return ValueTraits<T>::FromAcc(ValueTraits<T>::ToAcc(a) * static_cast<Acc<T>>(keep));
 }
 
 // Input rows [*begin, *end) owned by output row `out_row` when windows are disjoint: the rows
@@ -97,12 +146,6 @@ template <typename T>
 void FillZero(T* data, int64_t n, const ParallelRunner& runner) {
   runner.For(n, 1, [&](int64_t b, int64_t e) { std::memset(data + b, 0, (e - b) * sizeof(T)); });
 }
-
-// Writes dz for disjoint windows: each (image, output row) unit zeroes its band of input rows,
-// then puts (0 + dy) * mask at each window's gradient position. code_of(l, pw) gives the code.
-template <typename T, typename CodeFn>
-void WriteDisjointBand(const PoolParams& p, int64_t img, int64_t ph, const T* dy, T* dz,
-                       CodeFn code_of_window);
 
 }  // namespace
 
@@ -148,68 +191,82 @@ void ForwardWithArgmaxImpl(const PoolParams& p, const T* z, T* y, C* argmax,
   });
 }
 
-template <typename T, typename CodeFn>
-void WriteDisjointBand(const PoolParams& p, int64_t img, int64_t ph, const T* dy, T* dz,
-                       CodeFn code_of_window) {
-  int64_t rb, re;
-  RowBand(p, ph, &rb, &re);
-  const int64_t row_elems = p.in_cols * p.lanes;
-  std::memset(dz + (img * p.in_rows + rb) * row_elems, 0, (re - rb) * row_elems * sizeof(T));
-  for (int64_t pw = 0; pw < p.out_cols; ++pw) {
-    const ClippedWindow win = WindowOf(p, ph, pw);
-    const int64_t o = ((img * p.out_rows + ph) * p.out_cols + pw) * p.lanes;
-    code_of_window(pw, win);  // lets the caller compute codes for this window
-    for (int64_t l = 0; l < p.lanes; ++l) {
-      int64_t h, w;
-      bool positive;
-      code_of_window.Decode(l, win, &h, &w, &positive);
-      const T g = AddAcc(T(ValueTraits<T>::FromAcc(Acc<T>(0))), dy[o + l]);
-      dz[((img * p.in_rows + h) * p.in_cols + w) * p.lanes + l] = MaskAcc(g, positive);
+// True when the windows tile the input exactly (window == stride and no leftover rows or
+// columns): then every dz element is written by exactly one window and nothing needs zeroing.
+inline bool WindowsTileInput(const PoolParams& p) {
+  return p.window_rows == p.stride_rows && p.window_cols == p.stride_cols &&
+         p.out_rows * p.stride_rows - p.pad_top >= p.in_rows &&
+         p.out_cols * p.stride_cols - p.pad_left >= p.in_cols;
+}
+
+// Gradient of one window for all lanes, ready to be written: lane l puts `hit[l]` at window
+// code `pos[l]` (-1: none) and `first[l]` at the window's first position; all else is +0.
+template <typename T>
+struct WindowGrad {
+  std::vector<int32_t> pos;
+  std::vector<Bits<T>> hit, first;  // T values as bits
+  explicit WindowGrad(int64_t lanes) : pos(lanes), hit(lanes), first(lanes) {}
+
+  // Lane l's code c (sentinel: route to the first position, times zero) and its dy.
+  template <typename C>
+  void Set(int64_t l, C c, T dy) {
+    const T zero = ValueTraits<T>::FromAcc(Acc<T>(0));
+    const T g = AddAcc(zero, dy);  // stock adds dy to a zeroed buffer
+    const bool positive = c != ArgmaxSentinel<C>();
+    pos[l] = SelectBits<int32_t>(positive, static_cast<int32_t>(c), -1);
+    hit[l] = ToBits(g);
+    first[l] = SelectBits<Bits<T>>(positive, Bits<T>(0), ToBits(MaskAcc(g, false)));
+  }
+
+  // Writes the window's region of dz (disjoint windows only). +0 is all-zero bits in every type.
+  void Write(const PoolParams& p, int64_t img, const ClippedWindow& win, T* dz) const {
+    const int64_t L = p.lanes;
+    const int32_t* __restrict ps = pos.data();
+    const Bits<T>* __restrict h1 = hit.data();
+    const Bits<T>* __restrict f1 = first.data();
+    for (int64_t h = win.row_begin; h < win.row_end; ++h) {
+      for (int64_t w = win.col_begin; w < win.col_end; ++w) {
+        const int32_t code =
+            static_cast<int32_t>((h - win.row_begin) * p.code_pitch + (w - win.col_begin));
+        AliasBits<T>* __restrict d =
+            reinterpret_cast<AliasBits<T>*>(dz + ((img * p.in_rows + h) * p.in_cols + w) * L);
+        if (code == 0) {
+          for (int64_t l = 0; l < L; ++l) d[l] = SelectBits<Bits<T>>(ps[l] == code, h1[l], f1[l]);
+        } else {
+          for (int64_t l = 0; l < L; ++l) d[l] = SelectBits<Bits<T>>(ps[l] == code, h1[l], 0);
+        }
+      }
     }
   }
-}
-
-// Decodes codes given per lane.
-template <typename C>
-inline void DecodeCode(const PoolParams& p, C code, const ClippedWindow& win, int64_t* h,
-                       int64_t* w, bool* positive) {
-  if (code == ArgmaxSentinel<C>()) {
-    *h = win.row_begin;
-    *w = win.col_begin;
-    *positive = false;
-  } else {
-    const int64_t c = static_cast<int64_t>(code);
-    *h = win.row_begin + c / p.code_pitch;
-    *w = win.col_begin + c % p.code_pitch;
-    *positive = true;
-  }
-}
-
-// Code source for WriteDisjointBand: stored codes.
-template <typename C>
-struct StoredCodes {
-  const PoolParams& p;
-  const C* argmax;
-  int64_t img, ph, pw = 0;
-  void operator()(int64_t out_col, const ClippedWindow&) { pw = out_col; }
-  void Decode(int64_t l, const ClippedWindow& win, int64_t* h, int64_t* w, bool* positive) const {
-    const C c = argmax[((img * p.out_rows + ph) * p.out_cols + pw) * p.lanes + l];
-    DecodeCode(p, c, win, h, w, positive);
-  }
 };
 
-// Code source for WriteDisjointBand: codes recomputed from z.
-template <typename T>
-struct RecomputedCodes {
-  const PoolParams& p;
-  const T* z;
-  int64_t img;
-  WindowScan<T>* scan;
-  void operator()(int64_t, const ClippedWindow& win) { scan->template Run<true>(p, z, img, win); }
-  void Decode(int64_t l, const ClippedWindow& win, int64_t* h, int64_t* w, bool* positive) const {
-    DecodeCode(p, scan->template Code<int32_t>(l), win, h, w, positive);
-  }
-};
+// Disjoint windows: each (image, output row) unit owns a band of input rows; it zeroes the band
+// unless the windows tile it, then writes each window's gradient. fill(pw, win, grad) sets the
+// lanes of `grad` for window pw.
+template <typename T, typename Fill>
+void DisjointBackward(const PoolParams& p, const ParallelRunner& runner, T* dz, Fill fill) {
+  const int64_t units = p.images * p.out_rows;
+  const int64_t cost = std::max<int64_t>(1, p.in_cols * p.lanes * p.stride_rows) * kCyclesPerElement;
+  const bool tiles = WindowsTileInput(p);
+  runner.For(units, cost, [&](int64_t begin, int64_t end) {
+    WindowGrad<T> grad(p.lanes);
+    auto fill_unit = fill();  // per-shard state
+    for (int64_t u = begin; u < end; ++u) {
+      const int64_t img = u / p.out_rows, ph = u % p.out_rows;
+      if (!tiles) {
+        int64_t rb, re;
+        RowBand(p, ph, &rb, &re);
+        const int64_t row_elems = p.in_cols * p.lanes;
+        std::memset(dz + (img * p.in_rows + rb) * row_elems, 0, (re - rb) * row_elems * sizeof(T));
+      }
+      for (int64_t pw = 0; pw < p.out_cols; ++pw) {
+        const ClippedWindow win = WindowOf(p, ph, pw);
+        fill_unit(img, ph, pw, win, &grad);
+        grad.Write(p, img, win, dz);
+      }
+    }
+  });
+}
 
 // Gather form for overlapping windows: each input element sums, in output order, dy of the
 // windows whose code routes to it, then applies the mask.
@@ -223,7 +280,7 @@ void GatherBackward(const PoolParams& p, const T* dy, const C* argmax, T* dz,
   const C sentinel = ArgmaxSentinel<C>();
   runner.For(units, cost, [&](int64_t begin, int64_t end) {
     std::vector<T> acc(p.lanes);
-    std::vector<uint8_t> positive(p.lanes);
+    std::vector<int32_t> positive(p.lanes);  // int32 like the codes compared: vectorises
     const T zero = ValueTraits<T>::FromAcc(Acc<T>(0));
     for (int64_t u = begin; u < end; ++u) {
       const int64_t img = u / p.in_rows, h = u % p.in_rows;
@@ -233,7 +290,7 @@ void GatherBackward(const PoolParams& p, const T* dy, const C* argmax, T* dz,
         int64_t pw0, pw1;
         OutputsCovering(w, p.pad_left, p.window_cols, p.stride_cols, p.out_cols, &pw0, &pw1);
         T* __restrict a = acc.data();
-        uint8_t* __restrict pos = positive.data();
+        int32_t* __restrict pos = positive.data();
         for (int64_t l = 0; l < p.lanes; ++l) {
           a[l] = zero;
           pos[l] = 0;
@@ -241,15 +298,20 @@ void GatherBackward(const PoolParams& p, const T* dy, const C* argmax, T* dz,
         for (int64_t ph = ph0; ph < ph1; ++ph) {
           for (int64_t pw = pw0; pw < pw1; ++pw) {
             const ClippedWindow win = WindowOf(p, ph, pw);
-            const C expected = static_cast<C>((h - win.row_begin) * p.code_pitch + (w - win.col_begin));
+            const int32_t expected =
+                static_cast<int32_t>((h - win.row_begin) * p.code_pitch + (w - win.col_begin));
             const bool first = h == win.row_begin && w == win.col_begin;
+            const int32_t first_sentinel = first ? static_cast<int32_t>(sentinel) : -2;
             const int64_t o = ((img * p.out_rows + ph) * p.out_cols + pw) * p.lanes;
             const C* __restrict cp = argmax + o;
             const T* __restrict gp = dy + o;
             for (int64_t l = 0; l < p.lanes; ++l) {
-              const bool hit = cp[l] == expected;
-              const bool take = hit || (first && cp[l] == sentinel);
-              a[l] = take ? AddAcc(a[l], gp[l]) : a[l];
+              const int32_t c = static_cast<int32_t>(cp[l]);
+              const bool hit = c == expected;
+              const bool take = hit | (c == first_sentinel);
+              // a + (+0) == a for every a this sum can hold (it starts at +0, so it is never
+              // -0): adding a selected zero keeps the loop branch-free.
+              a[l] = AddAcc(a[l], FromBits<T>(SelectBits<Bits<T>>(take, ToBits(gp[l]), 0)));
               pos[l] |= hit;
             }
           }
@@ -297,14 +359,14 @@ void ReluMaxPoolBackwardFromInputCpu(const PoolParams& p, const T* z, const T* d
     });
     return;
   }
-  const int64_t units = p.images * p.out_rows;
-  const int64_t cost = std::max<int64_t>(1, p.in_cols * p.lanes * p.stride_rows) * kCyclesPerElement;
-  runner.For(units, cost, [&](int64_t begin, int64_t end) {
-    WindowScan<T> scan(p.lanes);
-    for (int64_t u = begin; u < end; ++u) {
-      const int64_t img = u / p.out_rows, ph = u % p.out_rows;
-      WriteDisjointBand(p, img, ph, dy, dz, RecomputedCodes<T>{p, z, img, &scan});
-    }
+  DisjointBackward<T>(p, runner, dz, [&]() {
+    return [&p, z, dy, scan = WindowScan<T>(p.lanes)](int64_t img, int64_t ph, int64_t pw,
+                                                      const ClippedWindow& win,
+                                                      WindowGrad<T>* grad) mutable {
+      scan.template Run<true>(p, z, img, win);
+      const int64_t o = ((img * p.out_rows + ph) * p.out_cols + pw) * p.lanes;
+      for (int64_t l = 0; l < p.lanes; ++l) grad->Set(l, scan.template Code<int32_t>(l), dy[o + l]);
+    };
   });
 }
 
@@ -312,6 +374,8 @@ template <typename C>
 int64_t FindInvalidArgmaxCpu(const PoolParams& p, const C* argmax, const ParallelRunner& runner) {
   std::atomic<int64_t> first_bad{-1};
   const int64_t units = p.images * p.out_rows;
+  using U = std::make_unsigned_t<C>;  // negative int32 codes become huge, hence invalid
+  const U sentinel = static_cast<U>(ArgmaxSentinel<C>());
   runner.For(units, std::max<int64_t>(1, p.out_cols * p.lanes) * 2, [&](int64_t begin, int64_t end) {
     for (int64_t u = begin; u < end; ++u) {
       const int64_t img = u / p.out_rows, ph = u % p.out_rows;
@@ -319,11 +383,19 @@ int64_t FindInvalidArgmaxCpu(const PoolParams& p, const C* argmax, const Paralle
         const ClippedWindow win = WindowOf(p, ph, pw);
         const int64_t rows = win.row_end - win.row_begin, cols = win.col_end - win.col_begin;
         const int64_t o = ((img * p.out_rows + ph) * p.out_cols + pw) * p.lanes;
+        const U* cp = reinterpret_cast<const U*>(argmax + o);
+        // Codes below rows * pitch name a row of the window; unless the window is clipped on
+        // the right (cols < pitch) that is all there is to check, without a division per code.
+        const uint64_t limit = static_cast<uint64_t>(rows * p.code_pitch);
+        bool any_bad = false;
         for (int64_t l = 0; l < p.lanes; ++l) {
-          const C c = argmax[o + l];
-          if (c == ArgmaxSentinel<C>()) continue;
-          const int64_t v = static_cast<int64_t>(c);
-          if (v >= 0 && v / p.code_pitch < rows && v % p.code_pitch < cols) continue;
+          any_bad |= (cp[l] != sentinel) & (static_cast<uint64_t>(cp[l]) >= limit);
+        }
+        if (!any_bad && cols == p.code_pitch) continue;
+        for (int64_t l = 0; l < p.lanes; ++l) {
+          if (cp[l] == sentinel) continue;
+          const uint64_t v = cp[l];
+          if (v < limit && static_cast<int64_t>(v % p.code_pitch) < cols) continue;
           // Keep the smallest bad index whatever the split, so the error message is stable.
           int64_t cur = first_bad.load();
           while ((cur < 0 || o + l < cur) && !first_bad.compare_exchange_weak(cur, o + l)) {
@@ -341,13 +413,12 @@ void ReluMaxPoolBackwardFromArgmaxCpu(const PoolParams& p, const T* dy, const C*
                                       const ParallelRunner& runner) {
   if (p.out_elements() == 0) return FillZero(dz, p.in_elements(), runner);
   if (!p.windows_disjoint()) return GatherBackward<T, C>(p, dy, argmax, dz, runner);
-  const int64_t units = p.images * p.out_rows;
-  const int64_t cost = std::max<int64_t>(1, p.in_cols * p.lanes * p.stride_rows) * kCyclesPerElement;
-  runner.For(units, cost, [&](int64_t begin, int64_t end) {
-    for (int64_t u = begin; u < end; ++u) {
-      const int64_t img = u / p.out_rows, ph = u % p.out_rows;
-      WriteDisjointBand(p, img, ph, dy, dz, StoredCodes<C>{p, argmax, img, ph});
-    }
+  DisjointBackward<T>(p, runner, dz, [&]() {
+    return [&p, dy, argmax](int64_t img, int64_t ph, int64_t pw, const ClippedWindow&,
+                            WindowGrad<T>* grad) {
+      const int64_t o = ((img * p.out_rows + ph) * p.out_cols + pw) * p.lanes;
+      for (int64_t l = 0; l < p.lanes; ++l) grad->Set(l, argmax[o + l], dy[o + l]);
+    };
   });
 }
 

@@ -129,7 +129,9 @@ class ReluMaxPoolGradOp : public PoolOpBase {
     PoolParams p;
     OP_REQUIRES_OK(ctx, Params(input.shape(), &grad, &p));
     Tensor* input_grad = nullptr;
-    OP_REQUIRES_OK(ctx, ctx->forward_input_or_allocate_output({1}, 0, input.shape(), &input_grad));
+    // A fresh buffer: the kernels read grad while writing input_grad, so the two must not alias
+    // (they could when stride 1 SAME makes the shapes equal).
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, input.shape(), &input_grad));
     if (input_grad->NumElements() == 0) return;
     Tensor workspace;
     const int64_t ws_bytes = BackwardFromInputWorkspaceBytes(p);
