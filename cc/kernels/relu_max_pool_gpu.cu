@@ -11,6 +11,8 @@
 //    order, the gradients routed to it, like GatherBackward in relu_max_pool_cpu.cc. Where windows
 //    overlap, the keep-z backward first writes the window codes into the caller's workspace.
 // Both reproduce the CPU code's comparisons and roundings step by step (see relu_max_pool.h).
+#include <cuda_fp16.h>
+
 #include <cstdint>
 #include <type_traits>
 
@@ -21,6 +23,27 @@ namespace {
 
 template <typename T>
 using Acc = typename ValueTraits<T>::Acc;
+
+// Conversions to and from the arithmetic type in device code: ValueTraits', except for half, where
+// the hardware conversions give the same results (both round to nearest even; only NaN payloads
+// may differ) in one instruction instead of numeric.h's portable bit manipulation.
+template <typename T>
+struct Dev {
+  static __device__ __forceinline__ Acc<T> ToAcc(T v) { return ValueTraits<T>::ToAcc(v); }
+  static __device__ __forceinline__ T FromAcc(Acc<T> v) { return ValueTraits<T>::FromAcc(v); }
+};
+template <>
+struct Dev<Half> {
+  static __device__ __forceinline__ float ToAcc(Half v) {
+    __half_raw r;
+    r.x = v.bits;
+    return __half2float(__half(r));
+  }
+  static __device__ __forceinline__ Half FromAcc(float v) {
+    const __half_raw r = __float2half_rn(v);
+    return Half{r.x};
+  }
+};
 
 // Code sentinels (relu_max_pool.h's ArgmaxSentinel, usable in device code).
 template <typename C>
@@ -42,7 +65,7 @@ struct CodeTraits<int32_t> {
 // every T represents exactly.
 template <typename T>
 __device__ __forceinline__ T LowestT() {
-  return ValueTraits<T>::FromAcc(ValueTraits<T>::Lowest());
+  return Dev<T>::FromAcc(ValueTraits<T>::Lowest());
 }
 template <typename T>
 __device__ __forceinline__ T ZeroT() {
@@ -70,7 +93,7 @@ struct MaxState {
   }
   // Returns whether v took over.
   __device__ __forceinline__ bool Take(T v) {
-    const Acc<T> a = ValueTraits<T>::ToAcc(v);
+    const Acc<T> a = Dev<T>::ToAcc(v);
     const bool negative = a < Acc<T>(0);
     const Acc<T> r = negative ? Acc<T>(0) : a;
     const bool take = m < r;
@@ -84,18 +107,18 @@ struct MaxState {
 
 template <typename T>
 __device__ __forceinline__ bool IsNan(T v) {
-  const Acc<T> a = ValueTraits<T>::ToAcc(v);
+  const Acc<T> a = Dev<T>::ToAcc(v);
   return a != a;
 }
 
 // The CPU's AddAcc and MaskAcc.
 template <typename T>
 __device__ __forceinline__ T AddT(T a, T b) {
-  return ValueTraits<T>::FromAcc(ValueTraits<T>::ToAcc(a) + ValueTraits<T>::ToAcc(b));
+  return Dev<T>::FromAcc(Dev<T>::ToAcc(a) + Dev<T>::ToAcc(b));
 }
 template <typename T>
 __device__ __forceinline__ T MaskT(T a, bool keep) {
-  return ValueTraits<T>::FromAcc(ValueTraits<T>::ToAcc(a) * (keep ? Acc<T>(1) : Acc<T>(0)));
+  return Dev<T>::FromAcc(Dev<T>::ToAcc(a) * (keep ? Acc<T>(1) : Acc<T>(0)));
 }
 // (0 + dy) * mask, the value a disjoint window's gradient position gets.
 template <typename T>
@@ -323,9 +346,19 @@ struct FastGeom {
   I out_cols, out_rows, in_cols, lanes;
 };
 
-// One thread per group of V pooled elements and their four window positions k = 2 * r + c.
-// kNchw: the group is V adjacent output columns of one output row; the window positions of
-// element j are input columns 2j and 2j+1 of two 2V-element row segments. NHWC: the group is V
+// Pooled elements per thread: V = 16 bytes / sizeof(T) (one 16-byte vector of y or dy), except
+// for the NCHW backward, which takes V / 2 so that each thread's dz row segment is one 16-byte
+// vector and a warp's stores cover contiguous memory.
+template <typename T, FastOp kOp, bool kNchw>
+__host__ __device__ constexpr int FastGroup() {
+  return (kNchw && (kOp == FastOp::kBackwardInput || kOp == FastOp::kBackwardArgmax))
+             ? int(16 / sizeof(T) / 2)
+             : int(16 / sizeof(T));
+}
+
+// One thread per group of G pooled elements and their four window positions k = 2 * r + c.
+// kNchw: the group is G adjacent output columns of one output row; the window positions of
+// element j are columns 2j and 2j+1 of two 2G-element input row segments. NHWC: the group is G
 // adjacent lanes of one output position; position k is one 16-byte vector.
 template <typename T, typename C, FastOp kOp, bool kNchw, typename I>
 __global__ void __launch_bounds__(kThreads) Fast2x2Kernel(const FastGeom<I> g,
@@ -335,58 +368,56 @@ __global__ void __launch_bounds__(kThreads) Fast2x2Kernel(const FastGeom<I> g,
                                                           T* __restrict__ out,
                                                           C* __restrict__ codes_out,
                                                           unsigned long long* first_bad) {
-  constexpr int V = 16 / sizeof(T);
+  constexpr int G = FastGroup<T, kOp, kNchw>();
   constexpr bool kReadZ = kOp != FastOp::kBackwardArgmax;
   constexpr bool kBackward = kOp == FastOp::kBackwardInput || kOp == FastOp::kBackwardArgmax;
   for (I grp = blockIdx.x * I(blockDim.x) + threadIdx.x; grp < g.groups;
        grp += I(gridDim.x) * I(blockDim.x)) {
-    // Element offsets: o = first pooled element; in[r] = first input element of row r's part.
+    // o = first pooled element; in0 = first input element of the group's row-0 part.
     I o, in0, row_pitch;
     if (kNchw) {
       const I cg = grp % g.lane_groups;
-      const I rowi = grp / g.lane_groups;  // img * out_rows + ph
-      o = rowi * g.out_cols + cg * V;
-      in0 = rowi * 2 * g.in_cols + cg * 2 * V;  // rows 2ph of image img: (img*in_rows + 2ph)
+      const I rowi = grp / g.lane_groups;  // img * out_rows + ph; input row 2 * rowi
+      o = rowi * g.out_cols + cg * G;
+      in0 = rowi * 2 * g.in_cols + cg * 2 * G;
       row_pitch = g.in_cols;
     } else {
       const I lg = grp % g.lane_groups;
       const I pix = grp / g.lane_groups;  // (img * out_rows + ph) * out_cols + pw
       const I pw = pix % g.out_cols;
       const I rowi = pix / g.out_cols;
-      o = pix * g.lanes + lg * V;
-      in0 = ((rowi * 2) * g.in_cols + 2 * pw) * g.lanes + lg * V;
+      o = pix * g.lanes + lg * G;
+      in0 = ((rowi * 2) * g.in_cols + 2 * pw) * g.lanes + lg * G;
       row_pitch = g.in_cols * g.lanes;
     }
     // x[k][j]: window position k of pooled element j.
-    T x[4][V];
+    T x[4][G];
     if (kReadZ) {
       if (kNchw) {
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
-          const Pack<T, V> lo = LoadPack<T, V>(z + in0 + r * row_pitch);
-          const Pack<T, V> hi = LoadPack<T, V>(z + in0 + r * row_pitch + V);
+          const Pack<T, 2 * G> row = LoadPack<T, 2 * G>(z + in0 + r * row_pitch);
 #pragma unroll
-          for (int j = 0; j < V; ++j) {
-            const int e = 2 * j;
-            x[2 * r][j] = e < V ? lo.v[e] : hi.v[e - V];
-            x[2 * r + 1][j] = e + 1 < V ? lo.v[e + 1] : hi.v[e + 1 - V];
+          for (int j = 0; j < G; ++j) {
+            x[2 * r][j] = row.v[2 * j];
+            x[2 * r + 1][j] = row.v[2 * j + 1];
           }
         }
       } else {
 #pragma unroll
         for (int k = 0; k < 4; ++k) {
-          const Pack<T, V> v = LoadPack<T, V>(z + in0 + (k >> 1) * row_pitch + (k & 1) * g.lanes);
+          const Pack<T, G> v = LoadPack<T, G>(z + in0 + (k >> 1) * row_pitch + (k & 1) * g.lanes);
 #pragma unroll
-          for (int j = 0; j < V; ++j) x[k][j] = v.v[j];
+          for (int j = 0; j < G; ++j) x[k][j] = v.v[j];
         }
       }
     }
     // Codes per element: 0..3, or -1 for the sentinel.
-    int code[V];
-    Pack<T, V> yv;
+    int code[G];
+    Pack<T, G> yv;
     if (kReadZ) {
 #pragma unroll
-      for (int j = 0; j < V; ++j) {
+      for (int j = 0; j < G; ++j) {
         MaxState<T> s;
         s.Init();
         int pos = 0;
@@ -396,11 +427,11 @@ __global__ void __launch_bounds__(kThreads) Fast2x2Kernel(const FastGeom<I> g,
         code[j] = (IsNan(x[0][j]) || !(s.m > Acc<T>(0))) ? -1 : pos;
       }
     } else {
-      const Pack<C, V> cv = LoadPack<C, V>(codes_in + o);
+      const Pack<C, G> cv = LoadPack<C, G>(codes_in + o);
       bool bad = false;
       int bad_j = 0;
 #pragma unroll
-      for (int j = 0; j < V; ++j) {
+      for (int j = 0; j < G; ++j) {
         const C c = cv.v[j];
         const bool sentinel = c == CodeTraits<C>::kSentinel;
         const int64_t c64 = static_cast<int64_t>(c);
@@ -416,21 +447,21 @@ __global__ void __launch_bounds__(kThreads) Fast2x2Kernel(const FastGeom<I> g,
       }
     }
     if (kOp == FastOp::kForward || kOp == FastOp::kForwardArgmax) {
-      StorePack<T, V>(out + o, yv);
+      StorePack<T, G>(out + o, yv);
       if (kOp == FastOp::kForwardArgmax) {
-        Pack<C, V> cv;
+        Pack<C, G> cv;
 #pragma unroll
-        for (int j = 0; j < V; ++j) {
+        for (int j = 0; j < G; ++j) {
           cv.v[j] = code[j] < 0 ? CodeTraits<C>::kSentinel : static_cast<C>(code[j]);
         }
-        StorePack<C, V>(codes_out + o, cv);
+        StorePack<C, G>(codes_out + o, cv);
       }
     }
     if (kBackward) {
-      const Pack<T, V> d = LoadPack<T, V>(dy + o);
-      T dz[4][V];
+      const Pack<T, G> d = LoadPack<T, G>(dy + o);
+      T dz[4][G];
 #pragma unroll
-      for (int j = 0; j < V; ++j) {
+      for (int j = 0; j < G; ++j) {
         const int target = code[j] < 0 ? 0 : code[j];
         const T routed = RoutedT(d.v[j], code[j] >= 0);
 #pragma unroll
@@ -439,23 +470,21 @@ __global__ void __launch_bounds__(kThreads) Fast2x2Kernel(const FastGeom<I> g,
       if (kNchw) {
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
-          Pack<T, V> lo, hi;
+          Pack<T, 2 * G> row;
 #pragma unroll
-          for (int j = 0; j < V; ++j) {
-            const int e = 2 * j;
-            (e < V ? lo.v[e] : hi.v[e - V]) = dz[2 * r][j];
-            (e + 1 < V ? lo.v[e + 1] : hi.v[e + 1 - V]) = dz[2 * r + 1][j];
+          for (int j = 0; j < G; ++j) {
+            row.v[2 * j] = dz[2 * r][j];
+            row.v[2 * j + 1] = dz[2 * r + 1][j];
           }
-          StorePack<T, V>(out + in0 + r * row_pitch, lo);
-          StorePack<T, V>(out + in0 + r * row_pitch + V, hi);
+          StorePack<T, 2 * G>(out + in0 + r * row_pitch, row);
         }
       } else {
 #pragma unroll
         for (int k = 0; k < 4; ++k) {
-          Pack<T, V> v;
+          Pack<T, G> v;
 #pragma unroll
-          for (int j = 0; j < V; ++j) v.v[j] = dz[k][j];
-          StorePack<T, V>(out + in0 + (k >> 1) * row_pitch + (k & 1) * g.lanes, v);
+          for (int j = 0; j < G; ++j) v.v[j] = dz[k][j];
+          StorePack<T, G>(out + in0 + (k >> 1) * row_pitch + (k & 1) * g.lanes, v);
         }
       }
     }
@@ -468,19 +497,21 @@ bool Aligned(const void* ptr, int64_t bytes) {
 
 // Whether the fast path applies: 2x2 windows, stride 2, no padding, every input row and column in
 // exactly one window, V-element groups that do not straddle rows/pixels, aligned pointers.
-template <typename T, typename C>
+template <typename T, typename C, FastOp kOp>
 bool UseFast2x2(const PoolParams& p, const void* a, const void* b, const void* c, const void* d,
                 const C* codes) {
   constexpr int V = 16 / sizeof(T);
+  constexpr int G = FastGroup<T, kOp, true>();  // NCHW group
   if (p.window_rows != 2 || p.window_cols != 2 || p.stride_rows != 2 || p.stride_cols != 2 ||
       p.pad_top != 0 || p.pad_left != 0 || p.in_rows != 2 * p.out_rows ||
       p.in_cols != 2 * p.out_cols || p.out_elements() == 0) {
     return false;
   }
-  if (p.format == DataFormat::kNHWC ? p.lanes % V != 0 : (p.lanes != 1 || p.out_cols % V != 0)) {
+  if (p.format == DataFormat::kNHWC ? p.lanes % V != 0 : (p.lanes != 1 || p.out_cols % G != 0)) {
     return false;
   }
-  const int64_t code_align = sizeof(C) * V > 16 ? 16 : sizeof(C) * V;
+  const int64_t group = p.format == DataFormat::kNHWC ? V : G;
+  const int64_t code_align = sizeof(C) * group > 16 ? 16 : sizeof(C) * group;
   return Aligned(a, 16) && Aligned(b, 16) && Aligned(c, 16) && Aligned(d, 16) &&
          Aligned(codes, code_align);
 }
@@ -488,10 +519,10 @@ bool UseFast2x2(const PoolParams& p, const void* a, const void* b, const void* c
 template <typename T, typename C, FastOp kOp, bool kNchw, typename I>
 void LaunchFastTyped(const PoolParams& p, const T* z, const T* dy, const C* codes_in, T* out,
                      C* codes_out, unsigned long long* first_bad, cudaStream_t stream) {
-  constexpr int V = 16 / sizeof(T);
+  constexpr int G = FastGroup<T, kOp, kNchw>();
   FastGeom<I> g;
-  g.groups = static_cast<I>(p.out_elements() / V);
-  g.lane_groups = static_cast<I>(kNchw ? p.out_cols / V : p.lanes / V);
+  g.groups = static_cast<I>(p.out_elements() / G);
+  g.lane_groups = static_cast<I>(kNchw ? p.out_cols / G : p.lanes / G);
   g.out_cols = static_cast<I>(p.out_cols);
   g.out_rows = static_cast<I>(p.out_rows);
   g.in_cols = static_cast<I>(p.in_cols);
@@ -537,7 +568,7 @@ cudaError_t ReluMaxPoolForwardGpu(const PoolParams& p, const T* z, T* y, cudaStr
   cudaGetLastError();  // clear an earlier non-sticky error so that Finish reports ours
   const int64_t n = p.out_elements();
   if (n == 0) return cudaSuccess;
-  if (UseFast2x2<T, uint8_t>(p, z, y, nullptr, nullptr, nullptr)) {
+  if (UseFast2x2<T, uint8_t, FastOp::kForward>(p, z, y, nullptr, nullptr, nullptr)) {
     LaunchFast<T, uint8_t, FastOp::kForward>(p, z, nullptr, nullptr, y, nullptr, nullptr, stream);
   } else {
     GenericForwardKernel<T, uint8_t, true, false>
@@ -552,7 +583,7 @@ cudaError_t ReluMaxPoolForwardWithArgmaxGpu(const PoolParams& p, const T* z, T* 
   cudaGetLastError();
   const int64_t n = p.out_elements();
   if (n == 0) return cudaSuccess;
-  if (UseFast2x2<T, C>(p, z, y, nullptr, nullptr, argmax)) {
+  if (UseFast2x2<T, C, FastOp::kForwardArgmax>(p, z, y, nullptr, nullptr, argmax)) {
     LaunchFast<T, C, FastOp::kForwardArgmax>(p, z, nullptr, nullptr, y, argmax, nullptr, stream);
   } else {
     GenericForwardKernel<T, C, true, true>
@@ -568,7 +599,7 @@ cudaError_t ReluMaxPoolBackwardFromInputGpu(const PoolParams& p, const T* z, con
   const int64_t n = p.in_elements();
   if (n == 0) return cudaSuccess;
   if (p.out_elements() == 0) return cudaMemsetAsync(dz, 0, n * sizeof(T), stream);
-  if (UseFast2x2<T, uint8_t>(p, z, dy, dz, nullptr, nullptr)) {
+  if (UseFast2x2<T, uint8_t, FastOp::kBackwardInput>(p, z, dy, dz, nullptr, nullptr)) {
     LaunchFast<T, uint8_t, FastOp::kBackwardInput>(p, z, dy, nullptr, dz, nullptr, nullptr, stream);
     return Finish();
   }
@@ -604,7 +635,7 @@ cudaError_t ReluMaxPoolBackwardFromArgmaxGpu(const PoolParams& p, const T* dy, c
   const int64_t n = p.in_elements();
   if (n == 0) return cudaSuccess;
   if (p.out_elements() == 0) return cudaMemsetAsync(dz, 0, n * sizeof(T), stream);
-  if (UseFast2x2<T, C>(p, dy, dz, nullptr, nullptr, argmax)) {
+  if (UseFast2x2<T, C, FastOp::kBackwardArgmax>(p, dy, dz, nullptr, nullptr, argmax)) {
     LaunchFast<T, C, FastOp::kBackwardArgmax>(p, nullptr, dy, argmax, dz, nullptr, first_bad,
                                               stream);
   } else {
