@@ -66,29 +66,65 @@ inline Bits<T> ToBits(T v) {
 // Rough cycles per element, for the runner's split.
 constexpr int64_t kCyclesPerElement = 4;
 
-// Per-window scan state for `lanes` channels, reused across windows of one work unit.
+// Output columns [begin, end) whose windows lie wholly inside the input's columns. With one lane
+// (NCHW) these are scanned together, vectorised along the output row.
+struct ColumnRange {
+  int64_t begin, end;
+};
+inline ColumnRange InteriorColumns(const PoolParams& p) {
+  const int64_t begin = (p.pad_left + p.stride_cols - 1) / p.stride_cols;
+  const int64_t span = p.in_cols + p.pad_left - p.window_cols;
+  const int64_t end = span < 0 ? 0 : std::min(span / p.stride_cols + 1, p.out_cols);
+  return {begin, std::max(begin, end)};
+}
+
+// Scan results for one output row, element i = pw * lanes + l; reused across rows of one shard.
 template <typename T>
-struct WindowScan {
+struct RowScan {
   std::vector<Acc<T>> max;      // forward max, from lowest, skips NaN
   std::vector<int32_t> pos;     // argmax (window code), stock gradient rule
   std::vector<uint8_t> first_nan;
 
-  explicit WindowScan(int64_t lanes) : max(lanes), pos(lanes), first_nan(lanes) {}
+  explicit RowScan(const PoolParams& p)
+      : max(p.out_cols * p.lanes), pos(p.out_cols * p.lanes), first_nan(p.out_cols * p.lanes) {}
 
-  // Scans window `win` of image `img` in z. WithArgmax also tracks positions.
+  // Scans output row (img, ph) of z. WithArgmax also tracks positions.
   template <bool WithArgmax>
-  void Run(const PoolParams& p, const T* __restrict z, int64_t img, const ClippedWindow& win) {
+  void Run(const PoolParams& p, const T* __restrict z, int64_t img, int64_t ph) {
+    const ColumnRange inner = p.lanes == 1 ? InteriorColumns(p) : ColumnRange{0, 0};
+    for (int64_t pw = 0; pw < p.out_cols; ++pw) {
+      if (pw == inner.begin && inner.end > inner.begin) {
+        RunInterior<WithArgmax>(p, z, img, ph, inner);
+        pw = inner.end - 1;
+        continue;
+      }
+      RunWindow<WithArgmax>(p, z, img, WindowOf(p, ph, pw), pw * p.lanes);
+    }
+  }
+
+  // The code stored for element i: the argmax when it holds a positive value, else the sentinel.
+  template <typename C>
+  C Code(int64_t i) const {
+    const bool none = first_nan[i] | !(max[i] > Acc<T>(0));
+    return SelectBits<C>(none, ArgmaxSentinel<C>(), static_cast<C>(pos[i]));
+  }
+
+ private:
+  // One window, all lanes (vectorised along lanes), into elements [at, at + lanes).
+  template <bool WithArgmax>
+  void RunWindow(const PoolParams& p, const T* __restrict z, int64_t img, const ClippedWindow& win,
+                 int64_t at) {
     const int64_t L = p.lanes;
-    Acc<T>* __restrict m = max.data();
-    int32_t* __restrict ps = pos.data();
+    Acc<T>* __restrict m = max.data() + at;
+    int32_t* __restrict ps = pos.data() + at;
     const Acc<T> lowest = ValueTraits<T>::Lowest();
     for (int64_t l = 0; l < L; ++l) m[l] = lowest;
     if (WithArgmax) {
-      for (int64_t l = 0; l < L; ++l) ps[l] = 0;
       const T* zp = z + ((img * p.in_rows + win.row_begin) * p.in_cols + win.col_begin) * L;
       for (int64_t l = 0; l < L; ++l) {
         const Acc<T> v = ValueTraits<T>::ToAcc(zp[l]);
-        first_nan[l] = v != v;
+        ps[l] = 0;
+        first_nan[at + l] = v != v;
       }
     }
     for (int64_t h = win.row_begin; h < win.row_end; ++h) {
@@ -96,23 +132,49 @@ struct WindowScan {
         const T* __restrict zp = z + ((img * p.in_rows + h) * p.in_cols + w) * L;
         const int32_t code =
             static_cast<int32_t>((h - win.row_begin) * p.code_pitch + (w - win.col_begin));
-        for (int64_t l = 0; l < L; ++l) {
-          const Acc<T> r = Relu(ValueTraits<T>::ToAcc(zp[l]));
-          const Acc<T> cur = m[l];
-          const bool take = cur < r;
-          m[l] = take ? r : cur;
-          // Branch-free select so that the loop vectorises (the data decides `take` at random).
-          if (WithArgmax) ps[l] = SelectBits(take, code, ps[l]);
+        for (int64_t l = 0; l < L; ++l) Step<WithArgmax>(zp[l], code, &m[l], &ps[l]);
+      }
+    }
+  }
+
+  // One lane: the interior windows of the row at once, vectorised along output columns (strided
+  // loads). Interior windows share their rows and are unclipped, so codes are h * pitch + dw.
+  template <bool WithArgmax>
+  void RunInterior(const PoolParams& p, const T* __restrict z, int64_t img, int64_t ph,
+                   ColumnRange cols) {
+    const ClippedWindow rows = WindowOf(p, ph, cols.begin);
+    const int64_t s = p.stride_cols;
+    Acc<T>* __restrict m = max.data();
+    int32_t* __restrict ps = pos.data();
+    const Acc<T> lowest = ValueTraits<T>::Lowest();
+    for (int64_t pw = cols.begin; pw < cols.end; ++pw) m[pw] = lowest;
+    const T* row0 = z + (img * p.in_rows + rows.row_begin) * p.in_cols - p.pad_left;
+    if (WithArgmax) {
+      for (int64_t pw = cols.begin; pw < cols.end; ++pw) {
+        const Acc<T> v = ValueTraits<T>::ToAcc(row0[pw * s]);
+        ps[pw] = 0;
+        first_nan[pw] = v != v;
+      }
+    }
+    for (int64_t h = rows.row_begin; h < rows.row_end; ++h) {
+      const T* __restrict zr = z + (img * p.in_rows + h) * p.in_cols - p.pad_left;
+      for (int64_t dw = 0; dw < p.window_cols; ++dw) {
+        const int32_t code = static_cast<int32_t>((h - rows.row_begin) * p.code_pitch + dw);
+        for (int64_t pw = cols.begin; pw < cols.end; ++pw) {
+          Step<WithArgmax>(zr[pw * s + dw], code, &m[pw], &ps[pw]);
         }
       }
     }
   }
 
-  // The code stored for lane l: the argmax when it holds a positive value, else the sentinel.
-  template <typename C>
-  C Code(int64_t l) const {
-    const bool none = first_nan[l] | !(max[l] > Acc<T>(0));
-    return SelectBits<C>(none, ArgmaxSentinel<C>(), static_cast<C>(pos[l]));
+  template <bool WithArgmax>
+  static inline void Step(T zv, int32_t code, Acc<T>* m, int32_t* ps) {
+    const Acc<T> r = Relu(ValueTraits<T>::ToAcc(zv));
+    const Acc<T> cur = *m;
+    const bool take = cur < r;
+    *m = take ? r : cur;
+    // Branch-free select so that the loop vectorises (the data decides `take` at random).
+    if (WithArgmax) *ps = SelectBits(take, code, *ps);
   }
 };
 
@@ -149,48 +211,39 @@ void FillZero(T* data, int64_t n, const ParallelRunner& runner) {
 
 }  // namespace
 
-template <typename T>
-void ReluMaxPoolForwardCpu(const PoolParams& p, const T* z, T* y, const ParallelRunner& runner) {
+namespace {
+// Forward; y and/or argmax may be null (the keep-z backward only wants the codes).
+template <typename T, typename C>
+void ForwardImpl(const PoolParams& p, const T* z, T* y, C* argmax, const ParallelRunner& runner) {
   const int64_t units = p.images * p.out_rows;
   const int64_t cost = std::max<int64_t>(1, p.out_cols * p.lanes * p.window_rows * p.window_cols) *
                        kCyclesPerElement;
+  const int64_t row = p.out_cols * p.lanes;
   runner.For(units, cost, [&](int64_t begin, int64_t end) {
-    WindowScan<T> scan(p.lanes);
+    RowScan<T> scan(p);
     for (int64_t u = begin; u < end; ++u) {
-      const int64_t img = u / p.out_rows, ph = u % p.out_rows;
-      for (int64_t pw = 0; pw < p.out_cols; ++pw) {
-        scan.template Run<false>(p, z, img, WindowOf(p, ph, pw));
-        T* yp = y + ((img * p.out_rows + ph) * p.out_cols + pw) * p.lanes;
-        for (int64_t l = 0; l < p.lanes; ++l) yp[l] = ValueTraits<T>::FromAcc(scan.max[l]);
+      if (argmax != nullptr) {
+        scan.template Run<true>(p, z, u / p.out_rows, u % p.out_rows);
+        C* __restrict cp = argmax + u * row;
+        for (int64_t i = 0; i < row; ++i) cp[i] = scan.template Code<C>(i);
+      } else {
+        scan.template Run<false>(p, z, u / p.out_rows, u % p.out_rows);
+      }
+      if (y != nullptr) {
+        T* __restrict yp = y + u * row;
+        for (int64_t i = 0; i < row; ++i) yp[i] = ValueTraits<T>::FromAcc(scan.max[i]);
       }
     }
   });
+}
+}  // namespace
+
+template <typename T>
+void ReluMaxPoolForwardCpu(const PoolParams& p, const T* z, T* y, const ParallelRunner& runner) {
+  ForwardImpl<T, uint8_t>(p, z, y, nullptr, runner);
 }
 
 namespace {
-// Forward with codes; y may be null (the keep-z backward only wants the codes).
-template <typename T, typename C>
-void ForwardWithArgmaxImpl(const PoolParams& p, const T* z, T* y, C* argmax,
-                           const ParallelRunner& runner) {
-  const int64_t units = p.images * p.out_rows;
-  const int64_t cost = std::max<int64_t>(1, p.out_cols * p.lanes * p.window_rows * p.window_cols) *
-                       kCyclesPerElement;
-  runner.For(units, cost, [&](int64_t begin, int64_t end) {
-    WindowScan<T> scan(p.lanes);
-    for (int64_t u = begin; u < end; ++u) {
-      const int64_t img = u / p.out_rows, ph = u % p.out_rows;
-      for (int64_t pw = 0; pw < p.out_cols; ++pw) {
-        scan.template Run<true>(p, z, img, WindowOf(p, ph, pw));
-        const int64_t o = ((img * p.out_rows + ph) * p.out_cols + pw) * p.lanes;
-        for (int64_t l = 0; l < p.lanes; ++l) argmax[o + l] = scan.template Code<C>(l);
-        if (y != nullptr) {
-          for (int64_t l = 0; l < p.lanes; ++l) y[o + l] = ValueTraits<T>::FromAcc(scan.max[l]);
-        }
-      }
-    }
-  });
-}
-
 // True when the windows tile the input exactly (window == stride and no leftover rows or
 // columns): then every dz element is written by exactly one window and nothing needs zeroing.
 inline bool WindowsTileInput(const PoolParams& p) {
@@ -199,31 +252,50 @@ inline bool WindowsTileInput(const PoolParams& p) {
          p.out_cols * p.stride_cols - p.pad_left >= p.in_cols;
 }
 
-// Gradient of one window for all lanes, ready to be written: lane l puts `hit[l]` at window
-// code `pos[l]` (-1: none) and `first[l]` at the window's first position; all else is +0.
+// Gradient of one output row, ready to be written: element i = pw * lanes + l puts `hit[i]` at
+// window code `pos[i]` (-1: none) and `first[i]` at the window's first position; all else +0.
 template <typename T>
-struct WindowGrad {
+struct RowGrad {
   std::vector<int32_t> pos;
   std::vector<Bits<T>> hit, first;  // T values as bits
-  explicit WindowGrad(int64_t lanes) : pos(lanes), hit(lanes), first(lanes) {}
+  explicit RowGrad(const PoolParams& p)
+      : pos(p.out_cols * p.lanes), hit(p.out_cols * p.lanes), first(p.out_cols * p.lanes) {}
 
-  // Lane l's code c (sentinel: route to the first position, times zero) and its dy.
+  // Element i's code c (sentinel: route to the first position, times zero) and its dy.
   template <typename C>
-  void Set(int64_t l, C c, T dy) {
+  void Set(int64_t i, C c, T dy) {
     const T zero = ValueTraits<T>::FromAcc(Acc<T>(0));
     const T g = AddAcc(zero, dy);  // stock adds dy to a zeroed buffer
     const bool positive = c != ArgmaxSentinel<C>();
-    pos[l] = SelectBits<int32_t>(positive, static_cast<int32_t>(c), -1);
-    hit[l] = ToBits(g);
-    first[l] = SelectBits<Bits<T>>(positive, Bits<T>(0), ToBits(MaskAcc(g, false)));
+    pos[i] = SelectBits<int32_t>(positive, static_cast<int32_t>(c), -1);
+    hit[i] = ToBits(g);
+    first[i] = SelectBits<Bits<T>>(positive, Bits<T>(0), ToBits(MaskAcc(g, false)));
   }
 
-  // Writes the window's region of dz (disjoint windows only). +0 is all-zero bits in every type.
-  void Write(const PoolParams& p, int64_t img, const ClippedWindow& win, T* dz) const {
+  // Writes the row's windows into dz (disjoint windows only). +0 is all-zero bits in every type.
+  void Write(const PoolParams& p, int64_t img, int64_t ph, T* dz) const {
+    const ColumnRange inner = p.lanes == 1 ? InteriorColumns(p) : ColumnRange{0, 0};
+    for (int64_t pw = 0; pw < p.out_cols; ++pw) {
+      if (pw == inner.begin && inner.end > inner.begin) {
+        WriteInterior(p, img, ph, inner, dz);
+        pw = inner.end - 1;
+        continue;
+      }
+      WriteWindow(p, img, WindowOf(p, ph, pw), pw * p.lanes, dz);
+    }
+  }
+
+ private:
+  static inline Bits<T> Pick(int32_t pos, int32_t code, Bits<T> hit, Bits<T> other) {
+    return SelectBits<Bits<T>>(pos == code, hit, other);
+  }
+
+  void WriteWindow(const PoolParams& p, int64_t img, const ClippedWindow& win, int64_t at,
+                   T* dz) const {
     const int64_t L = p.lanes;
-    const int32_t* __restrict ps = pos.data();
-    const Bits<T>* __restrict h1 = hit.data();
-    const Bits<T>* __restrict f1 = first.data();
+    const int32_t* __restrict ps = pos.data() + at;
+    const Bits<T>* __restrict h1 = hit.data() + at;
+    const Bits<T>* __restrict f1 = first.data() + at;
     for (int64_t h = win.row_begin; h < win.row_end; ++h) {
       for (int64_t w = win.col_begin; w < win.col_end; ++w) {
         const int32_t code =
@@ -231,9 +303,34 @@ struct WindowGrad {
         AliasBits<T>* __restrict d =
             reinterpret_cast<AliasBits<T>*>(dz + ((img * p.in_rows + h) * p.in_cols + w) * L);
         if (code == 0) {
-          for (int64_t l = 0; l < L; ++l) d[l] = SelectBits<Bits<T>>(ps[l] == code, h1[l], f1[l]);
+          for (int64_t l = 0; l < L; ++l) d[l] = Pick(ps[l], code, h1[l], f1[l]);
         } else {
-          for (int64_t l = 0; l < L; ++l) d[l] = SelectBits<Bits<T>>(ps[l] == code, h1[l], 0);
+          for (int64_t l = 0; l < L; ++l) d[l] = Pick(ps[l], code, h1[l], 0);
+        }
+      }
+    }
+  }
+
+  // One lane: all interior windows of the row at once, vectorised along output columns.
+  void WriteInterior(const PoolParams& p, int64_t img, int64_t ph, ColumnRange cols, T* dz) const {
+    const ClippedWindow rows = WindowOf(p, ph, cols.begin);
+    const int64_t s = p.stride_cols;
+    const int32_t* __restrict ps = pos.data();
+    const Bits<T>* __restrict h1 = hit.data();
+    const Bits<T>* __restrict f1 = first.data();
+    for (int64_t h = rows.row_begin; h < rows.row_end; ++h) {
+      AliasBits<T>* __restrict d =
+          reinterpret_cast<AliasBits<T>*>(dz + (img * p.in_rows + h) * p.in_cols - p.pad_left);
+      for (int64_t dw = 0; dw < p.window_cols; ++dw) {
+        const int32_t code = static_cast<int32_t>((h - rows.row_begin) * p.code_pitch + dw);
+        if (code == 0) {
+          for (int64_t pw = cols.begin; pw < cols.end; ++pw) {
+            d[pw * s + dw] = Pick(ps[pw], code, h1[pw], f1[pw]);
+          }
+        } else {
+          for (int64_t pw = cols.begin; pw < cols.end; ++pw) {
+            d[pw * s + dw] = Pick(ps[pw], code, h1[pw], 0);
+          }
         }
       }
     }
@@ -241,16 +338,16 @@ struct WindowGrad {
 };
 
 // Disjoint windows: each (image, output row) unit owns a band of input rows; it zeroes the band
-// unless the windows tile it, then writes each window's gradient. fill(pw, win, grad) sets the
-// lanes of `grad` for window pw.
+// unless the windows tile it, then writes the row's window gradients. fill(img, ph, grad) sets
+// every element of `grad` for that row.
 template <typename T, typename Fill>
 void DisjointBackward(const PoolParams& p, const ParallelRunner& runner, T* dz, Fill fill) {
   const int64_t units = p.images * p.out_rows;
   const int64_t cost = std::max<int64_t>(1, p.in_cols * p.lanes * p.stride_rows) * kCyclesPerElement;
   const bool tiles = WindowsTileInput(p);
   runner.For(units, cost, [&](int64_t begin, int64_t end) {
-    WindowGrad<T> grad(p.lanes);
-    auto fill_unit = fill();  // per-shard state
+    RowGrad<T> grad(p);
+    auto fill_row = fill();  // per-shard state
     for (int64_t u = begin; u < end; ++u) {
       const int64_t img = u / p.out_rows, ph = u % p.out_rows;
       if (!tiles) {
@@ -259,11 +356,8 @@ void DisjointBackward(const PoolParams& p, const ParallelRunner& runner, T* dz, 
         const int64_t row_elems = p.in_cols * p.lanes;
         std::memset(dz + (img * p.in_rows + rb) * row_elems, 0, (re - rb) * row_elems * sizeof(T));
       }
-      for (int64_t pw = 0; pw < p.out_cols; ++pw) {
-        const ClippedWindow win = WindowOf(p, ph, pw);
-        fill_unit(img, ph, pw, win, &grad);
-        grad.Write(p, img, win, dz);
-      }
+      fill_row(img, ph, &grad);
+      grad.Write(p, img, ph, dz);
     }
   });
 }
@@ -336,7 +430,7 @@ auto WithWorkspaceCodeType(const PoolParams& p, Fn fn) {
 template <typename T, typename C>
 void ReluMaxPoolForwardWithArgmaxCpu(const PoolParams& p, const T* z, T* y, C* argmax,
                                      const ParallelRunner& runner) {
-  ForwardWithArgmaxImpl<T, C>(p, z, y, argmax, runner);
+  ForwardImpl<T, C>(p, z, y, argmax, runner);
 }
 
 int64_t BackwardFromInputWorkspaceBytes(const PoolParams& p) {
@@ -353,19 +447,19 @@ void ReluMaxPoolBackwardFromInputCpu(const PoolParams& p, const T* z, const T* d
     WithWorkspaceCodeType(p, [&](auto c) {
       using C = decltype(c);
       C* codes = static_cast<C*>(workspace);
-      ForwardWithArgmaxImpl<T, C>(p, z, nullptr, codes, runner);
+      ForwardImpl<T, C>(p, z, nullptr, codes, runner);
       GatherBackward<T, C>(p, dy, codes, dz, runner);
       return 0;
     });
     return;
   }
   DisjointBackward<T>(p, runner, dz, [&]() {
-    return [&p, z, dy, scan = WindowScan<T>(p.lanes)](int64_t img, int64_t ph, int64_t pw,
-                                                      const ClippedWindow& win,
-                                                      WindowGrad<T>* grad) mutable {
-      scan.template Run<true>(p, z, img, win);
-      const int64_t o = ((img * p.out_rows + ph) * p.out_cols + pw) * p.lanes;
-      for (int64_t l = 0; l < p.lanes; ++l) grad->Set(l, scan.template Code<int32_t>(l), dy[o + l]);
+    return [&p, z, dy, scan = RowScan<T>(p)](int64_t img, int64_t ph, RowGrad<T>* grad) mutable {
+      scan.template Run<true>(p, z, img, ph);
+      const T* dyr = dy + (img * p.out_rows + ph) * p.out_cols * p.lanes;
+      for (int64_t i = 0; i < p.out_cols * p.lanes; ++i) {
+        grad->Set(i, scan.template Code<int32_t>(i), dyr[i]);
+      }
     };
   });
 }
@@ -414,10 +508,9 @@ void ReluMaxPoolBackwardFromArgmaxCpu(const PoolParams& p, const T* dy, const C*
   if (p.out_elements() == 0) return FillZero(dz, p.in_elements(), runner);
   if (!p.windows_disjoint()) return GatherBackward<T, C>(p, dy, argmax, dz, runner);
   DisjointBackward<T>(p, runner, dz, [&]() {
-    return [&p, dy, argmax](int64_t img, int64_t ph, int64_t pw, const ClippedWindow&,
-                            WindowGrad<T>* grad) {
-      const int64_t o = ((img * p.out_rows + ph) * p.out_cols + pw) * p.lanes;
-      for (int64_t l = 0; l < p.lanes; ++l) grad->Set(l, argmax[o + l], dy[o + l]);
+    return [&p, dy, argmax](int64_t img, int64_t ph, RowGrad<T>* grad) {
+      const int64_t o = (img * p.out_rows + ph) * p.out_cols * p.lanes;
+      for (int64_t i = 0; i < p.out_cols * p.lanes; ++i) grad->Set(i, argmax[o + i], dy[o + i]);
     };
   });
 }
