@@ -45,9 +45,11 @@ std::string CheckPoolAttrs(const int64_t* ksize, int ksize_len, const int64_t* s
 
 int64_t PooledSize(int64_t in, int64_t window, int64_t stride, Padding padding) {
   if (in < 0) return -1;
-  if (padding == Padding::kSame) return (in + stride - 1) / stride;
-  const int64_t span = in - window + stride;
-  return span <= 0 ? 0 : span / stride;
+  // The same values as ceil(in / stride) and max(0, (in - window + stride) / stride), written so
+  // that no intermediate overflows for any in up to INT64_MAX (input_shape of the compact
+  // gradient is user data).
+  if (padding == Padding::kSame) return in == 0 ? 0 : (in - 1) / stride + 1;
+  return in < window ? 0 : (in - window) / stride + 1;
 }
 
 std::string ComputePoolParams(const int64_t* input_dims, int input_rank, const int64_t* ksize,
@@ -79,8 +81,9 @@ std::string ComputePoolParams(const int64_t* input_dims, int input_rank, const i
   p->pad_top = p->pad_left = 0;
   if (padding == Padding::kSame) {
     // TensorFlow puts the smaller half of the padding before the data.
-    const int64_t rows_total = (p->out_rows - 1) * p->stride_rows + p->window_rows - p->in_rows;
-    const int64_t cols_total = (p->out_cols - 1) * p->stride_cols + p->window_cols - p->in_cols;
+    // (out - 1) * stride < in, so subtracting `in` before adding the window cannot overflow.
+    const int64_t rows_total = ((p->out_rows - 1) * p->stride_rows - p->in_rows) + p->window_rows;
+    const int64_t cols_total = ((p->out_cols - 1) * p->stride_cols - p->in_cols) + p->window_cols;
     p->pad_top = p->out_rows > 0 && rows_total > 0 ? rows_total / 2 : 0;
     p->pad_left = p->out_cols > 0 && cols_total > 0 ? cols_total / 2 : 0;
   }

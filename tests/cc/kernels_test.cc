@@ -357,13 +357,33 @@ void CheckValidation() {
   // Huge (but valid int64) dimensions and attributes: geometry must not overflow.
   const int64_t huge_dims[4] = {1, int64_t{1} << 40, int64_t{1} << 20, 3};
   const int64_t max_k[4] = {1, 2147483647, 2147483647, 1};
+  // Regression: INT64_MAX rows (a valid TensorShape, reachable through the compact gradient's
+  // input_shape) overflowed PooledSize (signed overflow, negative sizes, a TF CHECK crash).
+  const int64_t max_dims[4] = {1, std::numeric_limits<int64_t>::max(), 1, 1};
+  const int64_t k2[4] = {1, 2, 1, 1}, k3[4] = {1, 3, 1, 1};
   for (int pad = 0; pad < 2; ++pad) {
-    const std::string err = ComputePoolParams(huge_dims, 4, max_k, 4, max_k, 4,
-                                              static_cast<Padding>(pad), DataFormat::kNHWC, &p);
-    CHECK(err.empty(), "huge geometry refused: %s", err.c_str());
-    CHECK(p.out_rows >= 0 && p.out_cols >= 0 && p.pad_top >= 0 && p.pad_left >= 0,
-          "huge geometry: negative size");
+    const Padding padding = static_cast<Padding>(pad);
+    for (const auto& c : {std::make_pair(huge_dims, max_k), std::make_pair(max_dims, max_k),
+                          std::make_pair(max_dims, k2), std::make_pair(max_dims, k3)}) {
+      const std::string err = ComputePoolParams(c.first, 4, c.second, 4, c.second, 4, padding,
+                                                DataFormat::kNHWC, &p);
+      CHECK(err.empty(), "huge geometry refused: %s", err.c_str());
+      CHECK(p.out_rows >= 0 && p.out_cols >= 0 && p.pad_top >= 0 && p.pad_left >= 0,
+            "huge geometry: negative size");
+    }
+    const std::string err = ComputePoolParams(max_dims, 4, k3, 4, k2, 4, padding, DataFormat::kNHWC, &p);
+    CHECK(err.empty() && p.out_rows == (pad ? std::numeric_limits<int64_t>::max() / 2 + 1
+                                            : (std::numeric_limits<int64_t>::max() - 3) / 2 + 1),
+          "INT64_MAX rows: out_rows %lld", (long long)p.out_rows);
   }
+  // PooledSize against TensorFlow's formulas, in a range where they do not overflow.
+  for (int64_t in = 0; in < 40; ++in)
+    for (int64_t k = 1; k < 7; ++k)
+      for (int64_t s = 1; s < 7; ++s) {
+        CHECK(PooledSize(in, k, s, Padding::kSame) == (in + s - 1) / s, "SAME size");
+        CHECK(PooledSize(in, k, s, Padding::kValid) == std::max<int64_t>(0, (in - k + s) / s),
+              "VALID size");
+      }
 }
 
 // Several threads run the kernels at once on shared, read-only inputs (each with its own
