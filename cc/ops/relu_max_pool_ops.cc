@@ -66,6 +66,10 @@ absl::Status GradFromArgmaxShape(InferenceContext* c) {
 
 }  // namespace
 
+// `implementation` chooses the GPU kernels: 'fused' (default) runs the single-pass CUDA kernels;
+// 'cudnn' runs ReLU into a temporary buffer, then cuDNN pooling (the seed's path), for ReluMaxPool
+// and ReluMaxPoolGrad only; the window-argmax ops have no cuDNN equivalent and always run fused,
+// as does any geometry cuDNN's symmetric padding cannot express. CPU kernels ignore it.
 REGISTER_OP("ReluMaxPool")
     .Input("input: T")
     .Output("output: T")
@@ -74,6 +78,7 @@ REGISTER_OP("ReluMaxPool")
     .Attr("strides: list(int)")
     .Attr("padding: {'SAME', 'VALID'}")
     .Attr("data_format: {'NHWC', 'NCHW'} = 'NHWC'")
+    .Attr("implementation: {'fused', 'cudnn'} = 'fused'")  // GPU only, see above
     .SetShapeFn(ForwardShape)
     .Doc(R"doc(output = max_pool(relu(input)), bitwise equal to MaxPool(Relu(input)).)doc");
 
@@ -86,6 +91,7 @@ REGISTER_OP("ReluMaxPoolGrad")
     .Attr("strides: list(int)")
     .Attr("padding: {'SAME', 'VALID'}")
     .Attr("data_format: {'NHWC', 'NCHW'} = 'NHWC'")
+    .Attr("implementation: {'fused', 'cudnn'} = 'fused'")  // GPU only, see above
     .SetShapeFn(GradShape)
     .Doc(R"doc(Gradient of ReluMaxPool with respect to its input, recomputed from the input:
 bitwise equal to ReluGrad(MaxPoolGrad(relu(input), output, grad), relu(input)).)doc");
@@ -100,6 +106,7 @@ REGISTER_OP("ReluMaxPoolWithWindowArgmax")
     .Attr("strides: list(int)")
     .Attr("padding: {'SAME', 'VALID'}")
     .Attr("data_format: {'NHWC', 'NCHW'} = 'NHWC'")
+    .Attr("implementation: {'fused', 'cudnn'} = 'fused'")  // GPU only, see above
     .SetShapeFn(ForwardShape)
     .Doc(R"doc(ReluMaxPool plus, per pooled element, the row-major position of the gradient
 within its window clipped to the input (row pitch min(window cols, input cols)), or the largest
@@ -117,6 +124,7 @@ REGISTER_OP("ReluMaxPoolGradFromWindowArgmax")
     .Attr("strides: list(int)")
     .Attr("padding: {'SAME', 'VALID'}")
     .Attr("data_format: {'NHWC', 'NCHW'} = 'NHWC'")
+    .Attr("implementation: {'fused', 'cudnn'} = 'fused'")  // GPU only, see above
     .SetShapeFn(GradFromArgmaxShape)
     .Doc(R"doc(Gradient of ReluMaxPoolWithWindowArgmax from grad and window_argmax alone.)doc");
 

@@ -1,0 +1,346 @@
+// GPU OpKernels: validate (the same ComputePoolParams as the CPU kernels), allocate, fill params,
+// call the framework-free launchers of cc/kernels/relu_max_pool_gpu.h. No math here.
+//
+// Compiled into the op library only when setup.py finds nvcc (it then defines TF_RELUPOOL_CUDA);
+// otherwise this file is empty and the library holds the CPU kernels alone.
+//
+// How the library reaches the CUDA runtime: the CUDA code is built by nvcc 13 and linked with the
+// STATIC CUDA 13 runtime (libcudart_static.a), whose symbols are hidden in the library
+// (-Wl,--exclude-libs,ALL; see setup.py). libtensorflow_framework.so.2 exports stand-ins for
+// cudaLaunchKernel, __cudaRegisterFatBinary and friends that forward to TensorFlow's CUDA 12.5
+// runtime; a dynamically linked -lcudart would bind to those, registering CUDA 13 fat binaries with
+// a CUDA 12 runtime, which is not a supported pairing. With its own hidden static runtime the
+// library is self-contained: it launches on TensorFlow's stream (a CUstream of the device's
+// primary context, which TensorFlow and the CUDA runtime both use), needs no CUDA 12 toolkit, and
+// needs a driver that supports CUDA 13 (>= 580). On an older driver every GPU op fails with the
+// CUDA error text ("CUDA driver version is insufficient..."), never silently; the CPU kernels
+// are unaffected, and a machine without a GPU loads the library normally.
+//
+// cuDNN (implementation='cudnn') is opened with dlopen at first use (relu_max_pool_cudnn.cu): it
+// finds the libcudnn.so.9 that TensorFlow has already loaded. The handle is cached per device and
+// bound to TensorFlow's stream (cudnnSetStream) on every call, under a per-device mutex.
+#ifdef TF_RELUPOOL_CUDA
+
+#include <cuda_runtime_api.h>
+
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+
+#include "cc/kernels/relu_max_pool.h"
+#include "cc/kernels/relu_max_pool_gpu.h"
+#include "cc/ops/pool_attrs.h"
+#include "tensorflow/core/framework/op_kernel.h"
+#include "tensorflow/core/framework/register_types.h"
+#include "tensorflow/core/framework/tensor.h"
+#include "xla/stream_executor/stream.h"
+#include "xla/stream_executor/stream_executor.h"
+
+namespace tf_relupool {
+namespace {
+
+using tensorflow::DEVICE_GPU;
+using tensorflow::OpKernel;
+using tensorflow::OpKernelConstruction;
+using tensorflow::OpKernelContext;
+using tensorflow::Tensor;
+using tensorflow::TensorShape;
+
+template <typename T>
+struct KernelType {
+  using type = T;
+};
+template <>
+struct KernelType<Eigen::half> {
+  using type = Half;
+};
+template <>
+struct KernelType<Eigen::bfloat16> {
+  using type = BFloat16;
+};
+template <typename T>
+using K = typename KernelType<T>::type;
+
+template <typename T>
+const K<T>* In(const Tensor& t) {
+  return reinterpret_cast<const K<T>*>(t.flat<T>().data());
+}
+template <typename T>
+K<T>* Out(Tensor* t) {
+  return reinterpret_cast<K<T>*>(t->flat<T>().data());
+}
+
+absl::Status CudaStatus(cudaError_t e, const char* op) {
+  if (e == cudaSuccess) return absl::OkStatus();
+  return absl::InternalError(std::string(op) + ": CUDA error " + cudaGetErrorName(e) + ": " +
+                             cudaGetErrorString(e));
+}
+absl::Status CudnnStatus(const std::string& err, const char* op) {
+  if (err.empty()) return absl::OkStatus();
+  return absl::InternalError(std::string(op) + " (implementation='cudnn'): " + err);
+}
+
+// TensorFlow's CUDA stream for this op, with the CUDA runtime's current device set to the
+// stream's device (the same primary context TensorFlow uses).
+absl::Status GpuStream(OpKernelContext* ctx, cudaStream_t* stream, int* device) {
+  auto* dc = ctx->op_device_context();
+  stream_executor::Stream* s = dc != nullptr ? dc->stream() : nullptr;
+  if (s == nullptr) return absl::InternalError("no GPU stream for this op");
+  *stream = static_cast<cudaStream_t>(s->platform_specific_handle().stream);
+  *device = s->parent()->device_ordinal();
+  return CudaStatus(cudaSetDevice(*device), "cudaSetDevice");
+}
+
+// One cuDNN handle per device, created on first use; calls on a device are serialised because
+// the handle's stream binding is shared state.
+struct CudnnSlot {
+  std::mutex mu;
+  cudnnHandle_t handle = nullptr;
+};
+CudnnSlot* CudnnFor(int device) {
+  static std::mutex mu;
+  static auto* slots = new std::map<int, std::unique_ptr<CudnnSlot>>();
+  std::lock_guard<std::mutex> lock(mu);
+  auto& slot = (*slots)[device];
+  if (!slot) slot.reset(new CudnnSlot);
+  return slot.get();
+}
+absl::Status LockedCudnn(int device, std::unique_lock<std::mutex>* lock, cudnnHandle_t* handle) {
+  CudnnSlot* slot = CudnnFor(device);
+  *lock = std::unique_lock<std::mutex>(slot->mu);
+  if (slot->handle == nullptr) {
+    const std::string err = CudnnCreateHandle(&slot->handle);
+    if (!err.empty()) {
+      slot->handle = nullptr;
+      return absl::InternalError("cuDNN handle (implementation='cudnn'): " + err);
+    }
+  }
+  *handle = slot->handle;
+  return absl::OkStatus();
+}
+
+class GpuPoolOpBase : public OpKernel {
+ public:
+  explicit GpuPoolOpBase(OpKernelConstruction* ctx) : OpKernel(ctx) {
+    OP_REQUIRES_OK(ctx, ReadPoolAttrs(ctx, &attrs_));
+    std::string impl = "fused";
+    if (ctx->HasAttr("implementation")) OP_REQUIRES_OK(ctx, ctx->GetAttr("implementation", &impl));
+    use_cudnn_ = impl == "cudnn";
+  }
+
+ protected:
+  absl::Status Params(const TensorShape& input, const Tensor* grad, PoolParams* p) const {
+    TF_RETURN_IF_ERROR(MakePoolParams(attrs_, input, p));
+    if (grad != nullptr && grad->shape() != PooledShape(*p)) {
+      return absl::InvalidArgumentError("grad must have the pooled output's shape " +
+                                        PooledShape(*p).DebugString() + " for input shape " +
+                                        input.DebugString() + ", got " + grad->shape().DebugString());
+    }
+    return absl::OkStatus();
+  }
+  // cuDNN only where it can express the geometry; elsewhere the fused kernels (same results).
+  bool UseCudnn(const PoolParams& p) const { return use_cudnn_ && CudnnPathUnsupportedReason(p).empty(); }
+
+  PoolAttrs attrs_;
+  bool use_cudnn_ = false;
+};
+
+template <typename T>
+class ReluMaxPoolGpuOp : public GpuPoolOpBase {
+ public:
+  using GpuPoolOpBase::GpuPoolOpBase;
+  void Compute(OpKernelContext* ctx) override {
+    const Tensor& input = ctx->input(0);
+    PoolParams p;
+    OP_REQUIRES_OK(ctx, Params(input.shape(), nullptr, &p));
+    Tensor* output = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, PooledShape(p), &output));
+    if (output->NumElements() == 0) return;
+    cudaStream_t stream;
+    int device;
+    OP_REQUIRES_OK(ctx, GpuStream(ctx, &stream, &device));
+    if (UseCudnn(p)) {
+      Tensor temp;
+      OP_REQUIRES_OK(ctx, ctx->allocate_temp(tensorflow::DT_UINT8,
+                                             TensorShape({CudnnForwardTempBytes(p, sizeof(T))}), &temp));
+      std::unique_lock<std::mutex> lock;
+      cudnnHandle_t handle;
+      OP_REQUIRES_OK(ctx, LockedCudnn(device, &lock, &handle));
+      OP_REQUIRES_OK(ctx, CudnnStatus(ReluMaxPoolForwardCudnn(handle, stream, p, In<T>(input),
+                                                              Out<T>(output), temp.flat<uint8_t>().data()),
+                                      "ReluMaxPool"));
+      return;
+    }
+    OP_REQUIRES_OK(ctx, CudaStatus(ReluMaxPoolForwardGpu(p, In<T>(input), Out<T>(output), stream),
+                                   "ReluMaxPool"));
+  }
+};
+
+template <typename T, typename C>
+class ReluMaxPoolWithWindowArgmaxGpuOp : public GpuPoolOpBase {
+ public:
+  using GpuPoolOpBase::GpuPoolOpBase;
+  void Compute(OpKernelContext* ctx) override {
+    const Tensor& input = ctx->input(0);
+    PoolParams p;
+    OP_REQUIRES_OK(ctx, Params(input.shape(), nullptr, &p));
+    OP_REQUIRES_OK(ctx, ArgmaxTypeFits(p));
+    Tensor *output = nullptr, *argmax = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, PooledShape(p), &output));
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(1, PooledShape(p), &argmax));
+    if (output->NumElements() == 0) return;
+    cudaStream_t stream;
+    int device;
+    OP_REQUIRES_OK(ctx, GpuStream(ctx, &stream, &device));
+    // cuDNN has no window-argmax output: this op always runs the fused kernel.
+    OP_REQUIRES_OK(ctx, CudaStatus(ReluMaxPoolForwardWithArgmaxGpu(p, In<T>(input), Out<T>(output),
+                                                                   argmax->flat<C>().data(), stream),
+                                   "ReluMaxPoolWithWindowArgmax"));
+  }
+
+  static absl::Status ArgmaxTypeFits(const PoolParams& p) {
+    const std::string err = CheckArgmaxType<C>(
+        p, tensorflow::DataTypeString(tensorflow::DataTypeToEnum<C>::v()).c_str());
+    return err.empty() ? absl::OkStatus() : absl::InvalidArgumentError(err);
+  }
+};
+
+template <typename T>
+class ReluMaxPoolGradGpuOp : public GpuPoolOpBase {
+ public:
+  using GpuPoolOpBase::GpuPoolOpBase;
+  void Compute(OpKernelContext* ctx) override {
+    const Tensor& input = ctx->input(0);
+    const Tensor& grad = ctx->input(1);
+    PoolParams p;
+    OP_REQUIRES_OK(ctx, Params(input.shape(), &grad, &p));
+    Tensor* input_grad = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, input.shape(), &input_grad));
+    if (input_grad->NumElements() == 0) return;
+    cudaStream_t stream;
+    int device;
+    OP_REQUIRES_OK(ctx, GpuStream(ctx, &stream, &device));
+    if (UseCudnn(p) && p.out_elements() > 0) {
+      Tensor temp;
+      OP_REQUIRES_OK(ctx, ctx->allocate_temp(tensorflow::DT_UINT8,
+                                             TensorShape({CudnnBackwardTempBytes(p, sizeof(T))}), &temp));
+      std::unique_lock<std::mutex> lock;
+      cudnnHandle_t handle;
+      OP_REQUIRES_OK(ctx, LockedCudnn(device, &lock, &handle));
+      OP_REQUIRES_OK(ctx, CudnnStatus(ReluMaxPoolBackwardCudnn(handle, stream, p, In<T>(input), In<T>(grad),
+                                                               Out<T>(input_grad), temp.flat<uint8_t>().data()),
+                                      "ReluMaxPoolGrad"));
+      return;
+    }
+    Tensor workspace;
+    const int64_t ws_bytes = BackwardFromInputWorkspaceBytes(p);
+    if (ws_bytes > 0) {
+      OP_REQUIRES_OK(ctx, ctx->allocate_temp(tensorflow::DT_UINT8, TensorShape({ws_bytes}), &workspace));
+    }
+    OP_REQUIRES_OK(ctx, CudaStatus(ReluMaxPoolBackwardFromInputGpu(
+                                       p, In<T>(input), In<T>(grad), Out<T>(input_grad),
+                                       ws_bytes > 0 ? workspace.flat<uint8_t>().data() : nullptr, stream),
+                                   "ReluMaxPoolGrad"));
+  }
+};
+
+template <typename T, typename C, typename S>
+class ReluMaxPoolGradFromWindowArgmaxGpuOp : public GpuPoolOpBase {
+ public:
+  using GpuPoolOpBase::GpuPoolOpBase;
+  void Compute(OpKernelContext* ctx) override {
+    const Tensor& shape_t = ctx->input(0);  // host memory
+    const Tensor& grad = ctx->input(1);
+    const Tensor& argmax = ctx->input(2);
+    OP_REQUIRES(ctx, shape_t.dims() == 1 && shape_t.NumElements() == 4,
+                absl::InvalidArgumentError("input_shape must be a 1-D tensor of 4 elements, got shape " +
+                                           shape_t.shape().DebugString()));
+    TensorShape input_shape;
+    const auto dims = shape_t.vec<S>();
+    const std::vector<int64_t> dims64(dims.data(), dims.data() + 4);
+    const absl::Status shape_ok = TensorShape::BuildTensorShape(dims64, &input_shape);
+    OP_REQUIRES(ctx, shape_ok.ok(),
+                absl::InvalidArgumentError("input_shape is not a valid shape: " +
+                                           std::string(shape_ok.message())));
+    PoolParams p;
+    OP_REQUIRES_OK(ctx, Params(input_shape, &grad, &p));
+    OP_REQUIRES(ctx, argmax.shape() == grad.shape(),
+                absl::InvalidArgumentError("window_argmax must have grad's shape " +
+                                           grad.shape().DebugString() + ", got " +
+                                           argmax.shape().DebugString()));
+    OP_REQUIRES_OK(ctx, ReluMaxPoolWithWindowArgmaxGpuOp<T, C>::ArgmaxTypeFits(p));
+    Tensor* input_grad = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, input_shape, &input_grad));
+    if (input_grad->NumElements() == 0) return;
+    cudaStream_t stream;
+    int device;
+    OP_REQUIRES_OK(ctx, GpuStream(ctx, &stream, &device));
+    // The backward kernel validates every code as it reads it (smallest invalid flat index into
+    // `bad`); the result is copied to the host and the op fails before anyone sees input_grad.
+    Tensor bad_t;
+    OP_REQUIRES_OK(ctx, ctx->allocate_temp(tensorflow::DT_UINT8, TensorShape({8}), &bad_t));
+    auto* bad = reinterpret_cast<unsigned long long*>(bad_t.flat<uint8_t>().data());
+    const C* codes = argmax.flat<C>().data();
+    OP_REQUIRES_OK(ctx, CudaStatus(ReluMaxPoolBackwardFromArgmaxGpu(p, In<T>(grad), codes,
+                                                                    Out<T>(input_grad), bad, stream),
+                                   "ReluMaxPoolGradFromWindowArgmax"));
+    unsigned long long bad_host = 0;
+    OP_REQUIRES_OK(ctx, CudaStatus(cudaMemcpyAsync(&bad_host, bad, sizeof(bad_host),
+                                                   cudaMemcpyDeviceToHost, stream),
+                                   "ReluMaxPoolGradFromWindowArgmax (validation copy)"));
+    OP_REQUIRES_OK(ctx, CudaStatus(cudaStreamSynchronize(stream),
+                                   "ReluMaxPoolGradFromWindowArgmax (validation)"));
+    if (bad_host != ~0ull) {
+      C code = 0;
+      OP_REQUIRES_OK(ctx, CudaStatus(cudaMemcpy(&code, codes + bad_host, sizeof(C), cudaMemcpyDeviceToHost),
+                                     "ReluMaxPoolGradFromWindowArgmax (validation copy)"));
+      ctx->SetStatus(absl::InvalidArgumentError(
+          "window_argmax[" + std::to_string(bad_host) + "] = " + std::to_string(static_cast<int64_t>(code)) +
+          " is not a position inside its pooling window (nor the 'no gradient' code " +
+          std::to_string(static_cast<int64_t>(ArgmaxSentinel<C>())) +
+          "); window_argmax must come from ReluMaxPoolWithWindowArgmax with the same attributes"));
+    }
+  }
+};
+
+// Targmax uint8 and uint16 only: TensorFlow keeps int32 tensors of GPU kernels in host memory,
+// so int32 codes (windows of 65535 positions or more) run on the CPU kernels.
+#define REGISTER_ARGMAX_GPU(T, C)                                                       \
+  REGISTER_KERNEL_BUILDER(Name("ReluMaxPoolWithWindowArgmax")                           \
+                              .Device(DEVICE_GPU)                                       \
+                              .TypeConstraint<T>("T")                                   \
+                              .TypeConstraint<C>("Targmax"),                            \
+                          ReluMaxPoolWithWindowArgmaxGpuOp<T, C>);                      \
+  REGISTER_KERNEL_BUILDER(Name("ReluMaxPoolGradFromWindowArgmax")                       \
+                              .Device(DEVICE_GPU)                                       \
+                              .HostMemory("input_shape")                                \
+                              .TypeConstraint<T>("T")                                   \
+                              .TypeConstraint<C>("Targmax")                             \
+                              .TypeConstraint<int32_t>("Tshape"),                       \
+                          ReluMaxPoolGradFromWindowArgmaxGpuOp<T, C, int32_t>);         \
+  REGISTER_KERNEL_BUILDER(Name("ReluMaxPoolGradFromWindowArgmax")                       \
+                              .Device(DEVICE_GPU)                                       \
+                              .HostMemory("input_shape")                                \
+                              .TypeConstraint<T>("T")                                   \
+                              .TypeConstraint<C>("Targmax")                             \
+                              .TypeConstraint<int64_t>("Tshape"),                       \
+                          ReluMaxPoolGradFromWindowArgmaxGpuOp<T, C, int64_t>);
+
+#define REGISTER_GPU(T)                                                                        \
+  REGISTER_KERNEL_BUILDER(Name("ReluMaxPool").Device(DEVICE_GPU).TypeConstraint<T>("T"),       \
+                          ReluMaxPoolGpuOp<T>);                                                \
+  REGISTER_KERNEL_BUILDER(Name("ReluMaxPoolGrad").Device(DEVICE_GPU).TypeConstraint<T>("T"),   \
+                          ReluMaxPoolGradGpuOp<T>);                                            \
+  REGISTER_ARGMAX_GPU(T, uint8_t)                                                              \
+  REGISTER_ARGMAX_GPU(T, uint16_t)
+
+REGISTER_GPU(Eigen::half)
+REGISTER_GPU(Eigen::bfloat16)
+REGISTER_GPU(float)
+REGISTER_GPU(double)
+
+}  // namespace
+}  // namespace tf_relupool
+
+#endif  // TF_RELUPOOL_CUDA
