@@ -38,23 +38,21 @@ TFRP_HD uint32_t FloatToBits(float f) {
   return u;
 }
 
+// Exact for every half (subnormals, Inf, NaN payloads) and branch-free, so loops converting
+// arrays of halves vectorise: the exponent is rebiased, Inf/NaN get the extra rebias to 255,
+// and zero/subnormal inputs are renormalised by one float subtraction.
 TFRP_HD float HalfToFloat(uint16_t h) {
-  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
-  uint32_t exp = (h >> 10) & 0x1fu;
-  uint32_t mant = h & 0x3ffu;
-  if (exp == 0x1f) return BitsToFloat(sign | 0x7f800000u | (mant << 13));  // Inf / NaN
-  if (exp == 0) {
-    if (mant == 0) return BitsToFloat(sign);  // +-0
-    // Subnormal half: normalise into a float.
-    int shift = 0;
-    while ((mant & 0x400u) == 0) {
-      mant <<= 1;
-      ++shift;
-    }
-    mant &= 0x3ffu;
-    return BitsToFloat(sign | ((113u - shift) << 23) | (mant << 13));
-  }
-  return BitsToFloat(sign | ((exp + 112u) << 23) | (mant << 13));
+  const uint32_t shifted_exp = 0x7c00u << 13;
+  const uint32_t o = (static_cast<uint32_t>(h) & 0x7fffu) << 13;
+  const uint32_t exp = o & shifted_exp;
+  // All-ones masks instead of branches or ?: (GCC will not if-convert those here).
+  const uint32_t is_inf_nan = 0u - static_cast<uint32_t>(exp == shifted_exp);
+  const uint32_t is_small = 0u - static_cast<uint32_t>(exp == 0);
+  const uint32_t normal = o + ((127u - 15u) << 23) + (is_inf_nan & ((128u - 16u) << 23));
+  const uint32_t subnormal =
+      FloatToBits(BitsToFloat(o + (113u << 23)) - BitsToFloat(113u << 23));
+  const uint32_t magnitude = (subnormal & is_small) | (normal & ~is_small);
+  return BitsToFloat(magnitude | ((static_cast<uint32_t>(h) & 0x8000u) << 16));
 }
 
 // Round to nearest even; NaN becomes the quiet NaN 0x7e00 (sign kept), as Eigen does.

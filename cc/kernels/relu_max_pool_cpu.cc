@@ -63,6 +63,21 @@ inline Bits<T> ToBits(T v) {
   return b;
 }
 
+// z[i] in the arithmetic type. 16-bit types are loaded as plain integers: GCC does not vectorise
+// loads of the Half/BFloat16 structs.
+template <typename T>
+inline Acc<T> LoadAcc(const T* z, int64_t i) {
+  return ValueTraits<T>::ToAcc(z[i]);
+}
+template <>
+inline float LoadAcc<Half>(const Half* z, int64_t i) {
+  return HalfToFloat(reinterpret_cast<const AliasBits<Half>*>(z)[i]);
+}
+template <>
+inline float LoadAcc<BFloat16>(const BFloat16* z, int64_t i) {
+  return BFloat16ToFloat(reinterpret_cast<const AliasBits<BFloat16>*>(z)[i]);
+}
+
 // Rough cycles per element, for the runner's split.
 constexpr int64_t kCyclesPerElement = 4;
 
@@ -122,7 +137,7 @@ struct RowScan {
     if (WithArgmax) {
       const T* zp = z + ((img * p.in_rows + win.row_begin) * p.in_cols + win.col_begin) * L;
       for (int64_t l = 0; l < L; ++l) {
-        const Acc<T> v = ValueTraits<T>::ToAcc(zp[l]);
+        const Acc<T> v = LoadAcc(zp, l);
         ps[l] = 0;
         first_nan[at + l] = v != v;
       }
@@ -132,7 +147,7 @@ struct RowScan {
         const T* __restrict zp = z + ((img * p.in_rows + h) * p.in_cols + w) * L;
         const int32_t code =
             static_cast<int32_t>((h - win.row_begin) * p.code_pitch + (w - win.col_begin));
-        for (int64_t l = 0; l < L; ++l) Step<WithArgmax>(zp[l], code, &m[l], &ps[l]);
+        for (int64_t l = 0; l < L; ++l) Step<WithArgmax>(LoadAcc(zp, l), code, &m[l], &ps[l]);
       }
     }
   }
@@ -151,7 +166,7 @@ struct RowScan {
     const T* row0 = z + (img * p.in_rows + rows.row_begin) * p.in_cols - p.pad_left;
     if (WithArgmax) {
       for (int64_t pw = cols.begin; pw < cols.end; ++pw) {
-        const Acc<T> v = ValueTraits<T>::ToAcc(row0[pw * s]);
+        const Acc<T> v = LoadAcc(row0, pw * s);
         ps[pw] = 0;
         first_nan[pw] = v != v;
       }
@@ -161,15 +176,15 @@ struct RowScan {
       for (int64_t dw = 0; dw < p.window_cols; ++dw) {
         const int32_t code = static_cast<int32_t>((h - rows.row_begin) * p.code_pitch + dw);
         for (int64_t pw = cols.begin; pw < cols.end; ++pw) {
-          Step<WithArgmax>(zr[pw * s + dw], code, &m[pw], &ps[pw]);
+          Step<WithArgmax>(LoadAcc(zr, pw * s + dw), code, &m[pw], &ps[pw]);
         }
       }
     }
   }
 
   template <bool WithArgmax>
-  static inline void Step(T zv, int32_t code, Acc<T>* m, int32_t* ps) {
-    const Acc<T> r = Relu(ValueTraits<T>::ToAcc(zv));
+  static inline void Step(Acc<T> zv, int32_t code, Acc<T>* m, int32_t* ps) {
+    const Acc<T> r = Relu(zv);
     const Acc<T> cur = *m;
     const bool take = cur < r;
     *m = take ? r : cur;
@@ -417,6 +432,51 @@ void GatherBackward(const PoolParams& p, const T* dy, const C* argmax, T* dz,
   });
 }
 
+// One-lane (NCHW) form for overlapping windows: each image plane is small, so a sequential
+// scatter in output order (the order stock adds in) beats the gather, which cannot vectorise
+// across lanes here. `received` marks elements some positive code routed to: the mask.
+template <typename T, typename C>
+void ScatterBackwardOneLane(const PoolParams& p, const T* dy, const C* argmax, T* dz,
+                            const ParallelRunner& runner) {
+  const int64_t plane = p.in_rows * p.in_cols, out_plane = p.out_rows * p.out_cols;
+  // Offset of each code from its window's first element, without a division per element.
+  std::vector<int64_t> offset(p.code_positions);
+  for (int64_t c = 0; c < p.code_positions; ++c) {
+    offset[c] = (c / p.code_pitch) * p.in_cols + c % p.code_pitch;
+  }
+  const C sentinel = ArgmaxSentinel<C>();
+  runner.For(p.images, std::max<int64_t>(1, plane + out_plane) * kCyclesPerElement,
+             [&](int64_t begin, int64_t end) {
+    std::vector<uint8_t> received(plane);
+    for (int64_t img = begin; img < end; ++img) {
+      T* d = dz + img * plane;
+      std::memset(d, 0, plane * sizeof(T));
+      std::fill(received.begin(), received.end(), 0);
+      const C* cp = argmax + img * out_plane;
+      const T* gp = dy + img * out_plane;
+      for (int64_t ph = 0; ph < p.out_rows; ++ph) {
+        for (int64_t pw = 0; pw < p.out_cols; ++pw) {
+          const ClippedWindow win = WindowOf(p, ph, pw);
+          const C c = cp[ph * p.out_cols + pw];
+          const bool positive = c != sentinel;
+          const int64_t i = win.row_begin * p.in_cols + win.col_begin +
+                            (positive ? offset[static_cast<int64_t>(c)] : 0);
+          d[i] = AddAcc(d[i], gp[ph * p.out_cols + pw]);
+          received[i] |= positive;
+        }
+      }
+      for (int64_t i = 0; i < plane; ++i) d[i] = MaskAcc(d[i], received[i] != 0);
+    }
+  });
+}
+
+template <typename T, typename C>
+void OverlappingBackward(const PoolParams& p, const T* dy, const C* argmax, T* dz,
+                         const ParallelRunner& runner) {
+  if (p.lanes == 1) return ScatterBackwardOneLane<T, C>(p, dy, argmax, dz, runner);
+  GatherBackward<T, C>(p, dy, argmax, dz, runner);
+}
+
 // The narrowest code type for the keep-z backward's workspace.
 template <typename Fn>
 auto WithWorkspaceCodeType(const PoolParams& p, Fn fn) {
@@ -448,7 +508,7 @@ void ReluMaxPoolBackwardFromInputCpu(const PoolParams& p, const T* z, const T* d
       using C = decltype(c);
       C* codes = static_cast<C*>(workspace);
       ForwardImpl<T, C>(p, z, nullptr, codes, runner);
-      GatherBackward<T, C>(p, dy, codes, dz, runner);
+      OverlappingBackward<T, C>(p, dy, codes, dz, runner);
       return 0;
     });
     return;
@@ -506,7 +566,7 @@ template <typename T, typename C>
 void ReluMaxPoolBackwardFromArgmaxCpu(const PoolParams& p, const T* dy, const C* argmax, T* dz,
                                       const ParallelRunner& runner) {
   if (p.out_elements() == 0) return FillZero(dz, p.in_elements(), runner);
-  if (!p.windows_disjoint()) return GatherBackward<T, C>(p, dy, argmax, dz, runner);
+  if (!p.windows_disjoint()) return OverlappingBackward<T, C>(p, dy, argmax, dz, runner);
   DisjointBackward<T>(p, runner, dz, [&]() {
     return [&p, dy, argmax](int64_t img, int64_t ph, RowGrad<T>* grad) {
       const int64_t o = (img * p.out_rows + ph) * p.out_cols * p.lanes;
