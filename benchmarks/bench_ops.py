@@ -1,9 +1,11 @@
 """Times the fused ops against stock TensorFlow, side by side in one run.
 
 For each shape and dtype: forward (stock relu + max_pool2d vs the fused op), and forward+backward
-(stock gradient vs the fused gradient in both backward modes). Each variant is a tf.function, as
-in training; variants are interleaved round by round and the median is reported, together with
-each time as a multiple of one read+write copy of z (`z * 1`). Prints a Markdown table.
+(stock gradient vs the fused gradient in both backward modes), each in two execution modes:
+`function` (tf.function, as Keras trains; stock TF then runs its oneDNN kernels) and `eager`
+(stock runs its Eigen kernels). Variants are interleaved round by round and the median is
+reported, with each time also as a multiple of one read+write copy of z (`z * 1`). Prints a
+Markdown table.
 
     python benchmarks/bench_ops.py            # full table
     python benchmarks/bench_ops.py --quick    # one small shape, few rounds (make demo)
@@ -52,8 +54,8 @@ def variants(ksize, strides, padding):
     }
 
 
-def time_variants(fns, z, dy, rounds, warmup=2):
-    compiled = {name: tf.function(fn) for name, fn in fns.items()}
+def time_variants(fns, z, dy, rounds, mode, warmup=2):
+    compiled = {name: tf.function(fn) if mode == "function" else fn for name, fn in fns.items()}
     times = {name: [] for name in fns}
     for name, fn in compiled.items():
         for _ in range(warmup):
@@ -67,38 +69,44 @@ def time_variants(fns, z, dy, rounds, warmup=2):
     return {name: statistics.median(t) * 1e3 for name, t in times.items()}
 
 
+def report_row(shape, dtype, mode, t):
+    c = t["copy"]
+    cells = [f"{'x'.join(map(str, shape))}", dtype.name, mode, f"{c:.2f}", f"{t['fwd stock']:.2f}",
+             f"{t['fwd fused']:.2f} ({t['fwd fused'] / c:.2f})",
+             f"**{t['fwd stock'] / t['fwd fused']:.2f}x**", f"{t['fwd+bwd stock']:.2f}"]
+    for keep in ("input", "argmax"):
+        fused = t[f"fwd+bwd fused keep={keep}"]
+        cells += [f"{fused:.2f} ({fused / c:.2f})", f"**{t['fwd+bwd stock'] / fused:.2f}x**"]
+    print("| " + " | ".join(cells) + " |", flush=True)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="one small shape, few rounds")
     parser.add_argument("--rounds", type=int, default=None)
     parser.add_argument("--dtypes", default="float32,bfloat16")
+    parser.add_argument("--modes", default=None, help="function,eager (default: both; quick: function)")
     args = parser.parse_args()
     shapes = QUICK_SHAPES if args.quick else FULL_SHAPES
     rounds = args.rounds or (5 if args.quick else 15)
     dtypes = [tf.as_dtype(d) for d in args.dtypes.split(",")]
+    modes = (args.modes or ("function" if args.quick else "function,eager")).split(",")
     print(f"# fused ReLU+max-pool vs stock TensorFlow {tf.__version__}, 2x2 stride 2 VALID, NHWC")
     print(f"# {datetime.date.today()}, {platform.processor() or platform.machine()}, "
           f"{os.cpu_count()} cores, median of {rounds} interleaved rounds, times in ms")
     print()
-    print("| shape NHWC | dtype | copy z | fwd stock | fwd fused (x copy) | fwd speedup | "
+    print("| shape NHWC | dtype | mode | copy z | fwd stock | fwd fused (x copy) | fwd speedup | "
           "fwd+bwd stock | fwd+bwd fused, keep=input (x copy) | speedup | "
           "fwd+bwd fused, keep=argmax (x copy) | speedup |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     rng = np.random.default_rng(0)
     for shape in shapes:
         for dtype in dtypes:
             z = tf.constant(rng.normal(size=shape), dtype)
             out_shape = (shape[0], shape[1] // 2, shape[2] // 2, shape[3])
             dy = tf.constant(rng.normal(size=out_shape), dtype)
-            t = time_variants(variants(2, 2, "VALID"), z, dy, rounds)
-            c = t["copy"]
-            print(f"| {'x'.join(map(str, shape))} | {dtype.name} | {c:.2f} | {t['fwd stock']:.2f} | "
-                  f"{t['fwd fused']:.2f} ({t['fwd fused'] / c:.2f}) | "
-                  f"**{t['fwd stock'] / t['fwd fused']:.2f}x** | {t['fwd+bwd stock']:.2f} | "
-                  f"{t['fwd+bwd fused keep=input']:.2f} ({t['fwd+bwd fused keep=input'] / c:.2f}) | "
-                  f"**{t['fwd+bwd stock'] / t['fwd+bwd fused keep=input']:.2f}x** | "
-                  f"{t['fwd+bwd fused keep=argmax']:.2f} ({t['fwd+bwd fused keep=argmax'] / c:.2f}) | "
-                  f"**{t['fwd+bwd stock'] / t['fwd+bwd fused keep=argmax']:.2f}x** |", flush=True)
+            for mode in modes:
+                report_row(shape, dtype, mode, time_variants(variants(2, 2, "VALID"), z, dy, rounds, mode))
 
 
 if __name__ == "__main__":
