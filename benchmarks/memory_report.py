@@ -1,0 +1,385 @@
+"""Memory and speed report: stock vs tf.recompute_grad vs the fused ReLU + max-pool op.
+
+For each model of examples/models.py (simple CNN, VGG-style, ResNet-style) and each variant
+
+  stock           the model as written (Conv2D(relu) / ReLU + MaxPooling2D);
+  recompute_grad  TensorFlow's own answer: each conv block wrapped in tf.recompute_grad;
+  fused argmax    tf_relupool.rewrite_model + enable_recompute() (defaults: 1-byte argmax codes);
+  fused input     the same with enable_recompute(keep="input") (the backward keeps z);
+
+it measures, at several batch sizes, the peak memory of one training step (forward, backward,
+SGD update) above what is resident before the step, from TensorFlow's BFC allocator statistics
+(TF_CPU_ALLOCATOR_USE_BFC=true, inter-op parallelism 1; the maximum over a few steps after a
+warm-up step), the median step time (a separate process with TensorFlow's default threading,
+variants interleaved round by round), and the largest batch whose peak fits under a memory cap
+(stock's peak at the reference batch, 128 by default), found by bisection on measured peaks.
+
+Writes a Markdown report and a PNG plot (peak memory against batch size, one line per variant,
+one panel per model) and prints the table.
+
+    python benchmarks/memory_report.py                 # full report -> benchmarks/results/
+    python benchmarks/memory_report.py --quick         # small version for `make demo`
+"""
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, os.path.join(ROOT, "examples"))
+
+VARIANTS = ("stock", "recompute_grad", "fused argmax", "fused input")
+MIB = 2.0 ** 20
+
+
+# ---------------------------------------------------------------------------------------------
+# Worker side: runs in a subprocess, TensorFlow configured before it starts.
+# ---------------------------------------------------------------------------------------------
+def _setup_tf(deterministic_memory):
+    os.environ["TF_CPU_ALLOCATOR_USE_BFC"] = "true"  # allocator stats on CPU; before TF starts
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    import tensorflow as tf
+    if deterministic_memory:
+        tf.config.threading.set_inter_op_parallelism_threads(1)
+        intra = int(os.environ.get("MEMORY_REPORT_INTRA_OP", "0"))
+        if intra:
+            tf.config.threading.set_intra_op_parallelism_threads(intra)
+    return tf
+
+
+def build_steps(tf, model_name, seed=0):
+    """{variant: (train step tf.function, keep)} for one model, all from the same weights."""
+    import keras
+    import models
+    import tf_relupool
+
+    keras.utils.set_random_seed(seed)
+    base = models.build(model_name)
+
+    def make_step(model, forward=None):
+        optimizer = keras.optimizers.SGD(0.01)
+        forward = forward or (lambda x: model(x, training=True))
+
+        @tf.function(input_signature=[tf.TensorSpec([None, 32, 32, 3], tf.float32),
+                                      tf.TensorSpec([None], tf.int32)])
+        def step(x, y):
+            with tf.GradientTape() as tape:
+                logits = forward(x)
+                loss = tf.reduce_mean(
+                    tf.nn.sparse_softmax_cross_entropy_with_logits(y, logits))
+            grads = tape.gradient(loss, model.trainable_variables)
+            optimizer.apply(grads, model.trainable_variables)
+            return loss
+        return step
+
+    def recompute_forward(model):
+        def forward(x):
+            for layer in models.blocks(model):
+                if layer.name.startswith("block"):
+                    x = tf.recompute_grad(lambda t, layer=layer: layer(t, training=True))(x)
+                else:
+                    x = layer(x, training=True)
+            return x
+        return forward
+
+    steps = {"stock": (make_step(base), None),
+             "recompute_grad": (make_step(base, recompute_forward(base)), None)}
+    for variant, keep in (("fused argmax", "argmax"), ("fused input", "input")):
+        fused = tf_relupool.rewrite_model(base)  # layers follow the switch when traced
+        steps[variant] = (make_step(fused), keep)
+    return steps
+
+
+def _batch(tf, n, seed=0):
+    g = tf.random.Generator.from_seed(seed + n)
+    return (g.uniform((n, 32, 32, 3)), g.uniform((n,), 0, 10, tf.int32))
+
+
+def _run(tf, step, keep, x, y):
+    import tf_relupool
+    with tf_relupool.recompute(keep):  # the switch as enable_recompute(keep) sets it, at trace
+        return float(step(x, y).numpy())
+
+
+def measure_peak(tf, step, keep, batch, reps):
+    """The step's peak bytes above resident, for `reps` steps after a warm-up (a list).
+
+    Even with inter- and intra-op parallelism 1 the peak varies from step to step here (by up
+    to ~20% on a loaded machine): TensorFlow's executor decides which ready ops run inline and
+    which go to the back of the queue from their measured run times, so the execution order,
+    and with it the set of live tensors, depends on timing. Callers use the median."""
+    x, y = _batch(tf, batch)
+    _run(tf, step, keep, x, y)
+    peaks = []
+    for _ in range(reps):
+        tf.config.experimental.reset_memory_stats("CPU:0")
+        before = tf.config.experimental.get_memory_info("CPU:0")["current"]
+        _run(tf, step, keep, x, y)
+        peaks.append(tf.config.experimental.get_memory_info("CPU:0")["peak"] - before)
+    del x, y
+    return sorted(peaks)
+
+
+def largest_batch(peak_of, cap, guess, tolerance):
+    """Largest batch b with peak_of(b) <= cap, by bracketing then bisection on measured peaks.
+
+    Peaks grow about linearly with the batch size; the search trusts only measurements.
+    Stops when the bracket is narrower than `tolerance` (a fraction of the lower end)."""
+    b = max(1, int(guess))
+    if peak_of(b) <= cap:
+        lo, hi = b, None
+        while hi is None:
+            b = int(lo * 1.25) + 1
+            if peak_of(b) <= cap:
+                lo = b
+            else:
+                hi = b
+    else:
+        lo, hi = None, b
+        while lo is None:
+            b = int(hi * 0.8)
+            if b < 1:
+                return 0
+            if peak_of(b) <= cap:
+                lo = b
+            else:
+                hi = b
+    while hi - lo > max(1, int(lo * tolerance)):
+        mid = (lo + hi) // 2
+        if peak_of(mid) <= cap:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+def worker_peaks(args):
+    tf = _setup_tf(deterministic_memory=True)
+    steps = build_steps(tf, args.model)
+    cache = {}
+
+    def peak_of(variant, batch):
+        if (variant, batch) not in cache:
+            step, keep = steps[variant]
+            cache[(variant, batch)] = measure_peak(tf, step, keep, batch, args.reps)
+        return statistics.median(cache[(variant, batch)])
+
+    result = {"peaks": {}, "largest": {}}
+    for variant in VARIANTS:
+        result["peaks"][variant] = {b: peak_of(variant, b) for b in args.batch_sizes}
+    cap = peak_of("stock", args.cap_batch)
+    result["cap"] = cap
+    if args.search:
+        for variant in VARIANTS:
+            guess = args.cap_batch * cap / max(1, peak_of(variant, args.cap_batch))
+            result["largest"][variant] = largest_batch(
+                lambda b, v=variant: peak_of(v, b), cap, guess, args.tolerance)
+    result["measured"] = {v: sorted(b for (vv, b) in cache if vv == v) for v in VARIANTS}
+    result["all_peaks"] = {v: {b: statistics.median(p) for (vv, b), p in cache.items()
+                               if vv == v} for v in VARIANTS}
+    result["spread"] = {v: [min(cache[(v, args.cap_batch)]), max(cache[(v, args.cap_batch)])]
+                        if (v, args.cap_batch) in cache else None for v in VARIANTS}
+    print("RESULT " + json.dumps(result))
+
+
+def worker_times(args):
+    tf = _setup_tf(deterministic_memory=False)
+    steps = build_steps(tf, args.model)
+    x, y = _batch(tf, args.time_batch)
+    for step, keep in steps.values():
+        for _ in range(2):  # trace, warm caches
+            _run(tf, step, keep, x, y)
+    times = {v: [] for v in VARIANTS}
+    for _ in range(args.rounds):
+        for variant in VARIANTS:  # interleaved: machine noise hits every variant alike
+            step, keep = steps[variant]
+            start = time.perf_counter()
+            _run(tf, step, keep, x, y)
+            times[variant].append(time.perf_counter() - start)
+    print("RESULT " + json.dumps({v: statistics.median(t) for v, t in times.items()}))
+
+
+# ---------------------------------------------------------------------------------------------
+# Driver side.
+# ---------------------------------------------------------------------------------------------
+def _worker(kind, model, args):
+    cmd = [sys.executable, os.path.abspath(__file__), "--worker", kind, "--models", model,
+           "--batch-sizes", ",".join(map(str, args.batch_sizes)), "--cap-batch",
+           str(args.cap_batch), "--reps", str(args.reps), "--rounds", str(args.rounds),
+           "--time-batch", str(args.time_batch), "--tolerance", str(args.tolerance)]
+    if not args.search:
+        cmd.append("--no-search")
+    proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
+    if proc.returncode != 0 or not lines:
+        sys.stderr.write(proc.stderr[-4000:])
+        raise SystemExit(f"memory_report: the {kind} worker for {model} failed "
+                         f"(exit {proc.returncode})")
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+def _machine():
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    return f"{cpu}, {os.cpu_count()} CPU cores, {platform.system()} {platform.release()}"
+
+
+def _fmt_ratio(value, ref):
+    return f"{value / ref:.2f}x" if ref else "n/a"
+
+
+def render(results, args, versions):
+    lines = [f"# Peak training-step memory and step time: stock vs fused ReLU + max pool", "",
+             f"{datetime.datetime.now():%Y-%m-%d %H:%M}, {_machine()}; TensorFlow "
+             f"{versions['tf']}, Keras {versions['keras']}, float32, SGD, CPU.", "",
+             "Peak: bytes allocated during one training step above what was resident before it "
+             "(BFC allocator stats, inter-op parallelism 1, median over "
+             f"{args.reps} steps after a warm-up; min-max in brackets). Time: median of {args.rounds} interleaved "
+             f"steps at batch {args.time_batch} with default threading, in a separate process. "
+             f"Largest batch: the largest batch whose peak stays under stock's peak at batch "
+             f"{args.cap_batch} (bisection on measured peaks, to within "
+             f"{args.tolerance:.0%}).", ""]
+    header = ["model", "variant"] + [f"peak @{b} (MiB)" for b in args.batch_sizes] + \
+        [f"vs stock @{args.cap_batch}", f"step ms @{args.time_batch}", "speed vs stock"]
+    if args.search:
+        header += ["largest batch under cap", "vs stock"]
+    lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for model, r in results.items():
+        peaks, times = r["peaks"], r["times"]
+        stock_ref = peaks["stock"][str(args.cap_batch)] if str(args.cap_batch) in peaks["stock"] \
+            else r["cap"]
+        for variant in VARIANTS:
+            row = [model, variant]
+            row += [f"{peaks[variant][str(b)] / MIB:.1f}" for b in args.batch_sizes]
+            ref = r["all_peaks"][variant].get(str(args.cap_batch))
+            spread = r["spread"][variant]
+            if spread and str(args.cap_batch) in peaks[variant]:
+                i = 2 + args.batch_sizes.index(args.cap_batch)
+                row[i] += f" ({spread[0] / MIB:.0f}-{spread[1] / MIB:.0f})"
+            row.append(_fmt_ratio(ref, stock_ref) if ref is not None else "n/a")
+            row.append(f"{times[variant] * 1e3:.0f}")
+            row.append(f"{times['stock'] / times[variant]:.2f}x")
+            if args.search:
+                lb, ls = r["largest"][variant], r["largest"]["stock"]
+                row += [str(lb), f"{lb / ls:.2f}x" if ls else "n/a"]
+            lines.append("| " + " | ".join(row) + " |")
+    if args.search:
+        lines += ["", "Memory caps (stock's peak at batch %d): " % args.cap_batch + ", ".join(
+            f"{m} {r['cap'] / MIB:.1f} MiB" for m, r in results.items()) + "."]
+    return "\n".join(lines) + "\n"
+
+
+def plot(results, args, path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(1, len(results), figsize=(5 * len(results), 4), squeeze=False)
+    for ax, (model, r) in zip(axes[0], results.items()):
+        for variant in VARIANTS:
+            pts = sorted((int(b), p / MIB) for b, p in r["all_peaks"][variant].items())
+            ax.plot([b for b, _ in pts], [p for _, p in pts], marker="o", label=variant)
+        if args.search:
+            ax.axhline(r["cap"] / MIB, color="gray", linestyle="--", linewidth=1,
+                       label=f"cap (stock @{args.cap_batch})")
+        ax.set_title(model)
+        ax.set_xlabel("batch size")
+        ax.set_ylabel("peak training-step memory (MiB)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(f"fused ReLU + max pool, CPU, {datetime.date.today()}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--quick", action="store_true",
+                   help="small version for `make demo`: fewer batch sizes, steps and rounds")
+    p.add_argument("--models", default=None, help="comma-separated: simple,vgg,resnet")
+    p.add_argument("--batch-sizes", default=None, help="comma-separated batch sizes")
+    p.add_argument("--cap-batch", type=int, default=128,
+                   help="the memory cap is stock's peak at this batch size (default 128)")
+    p.add_argument("--no-search", dest="search", action="store_false",
+                   help="skip the largest-batch search")
+    p.add_argument("--reps", type=int, default=None, help="measured steps per peak")
+    p.add_argument("--rounds", type=int, default=None, help="timed rounds per variant")
+    p.add_argument("--time-batch", type=int, default=128)
+    p.add_argument("--tolerance", type=float, default=None,
+                   help="bisection stops at this fraction of the batch size")
+    p.add_argument("--out", default=os.path.join(HERE, "results"),
+                   help="directory for memory_report.md and memory_report.png")
+    p.add_argument("--render-only", action="store_true",
+                   help="re-render the table and plot from memory_report.json in --out")
+    p.add_argument("--worker", choices=("peaks", "times"), help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    import models
+    args.models = (args.models or ("simple,vgg" if args.quick else ",".join(models.MODELS)))
+    args.models = [m.strip() for m in args.models.split(",") if m.strip()]
+    for m in args.models:
+        if m not in models.MODELS:
+            p.error(f"argument --models: unknown model {m!r} (choose from "
+                    f"{', '.join(models.MODELS)})")
+    try:
+        args.batch_sizes = [int(b) for b in (args.batch_sizes or (
+            "32,128" if args.quick else "32,64,128,256")).split(",")]
+    except ValueError:
+        p.error("argument --batch-sizes: expected comma-separated integers")
+    if any(b <= 0 for b in args.batch_sizes) or args.cap_batch <= 0 or args.time_batch <= 0:
+        p.error("argument --batch-sizes/--cap-batch/--time-batch: batch sizes must be > 0")
+    args.reps = args.reps or (3 if args.quick else 7)
+    args.rounds = args.rounds or (3 if args.quick else 9)
+    args.tolerance = args.tolerance if args.tolerance is not None else (
+        0.1 if args.quick else 0.02)
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if args.worker:
+        args.model = args.models[0]
+        return worker_peaks(args) if args.worker == "peaks" else worker_times(args)
+    from importlib import metadata
+    versions = {"tf": metadata.version("tensorflow"), "keras": metadata.version("keras")}
+    json_path = os.path.join(args.out, "memory_report.json")
+    results = {}
+    if args.render_only:
+        with open(json_path) as f:
+            results = json.load(f)
+    for model in ([] if args.render_only else args.models):
+        t0 = time.time()
+        print(f"memory_report: {model}: peaks ...", flush=True)
+        r = _worker("peaks", model, args)
+        print(f"memory_report: {model}: step times ...", flush=True)
+        r["times"] = _worker("times", model, args)
+        results[model] = r
+        print(f"memory_report: {model} done in {time.time() - t0:.0f} s", flush=True)
+    os.makedirs(args.out, exist_ok=True)
+    if not args.render_only:
+        with open(json_path, "w") as f:
+            json.dump(results, f, indent=1)
+    md = render(results, args, versions)
+    md_path = os.path.join(args.out, "memory_report.md")
+    png_path = os.path.join(args.out, "memory_report.png")
+    plot(results, args, png_path)
+    with open(md_path, "w") as f:
+        f.write(md + f"\n![peak memory against batch size]({os.path.basename(png_path)})\n")
+    print(md)
+    print(f"memory_report: wrote {md_path} and {png_path}")
+
+
+if __name__ == "__main__":
+    main()

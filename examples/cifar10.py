@@ -1,0 +1,250 @@
+"""Train a CIFAR-10 CNN with Keras, stock or with tf_relupool's fused ReLU + max pool.
+
+The models (examples/models.py) use stock Keras layers only. With --recompute argmax|input the
+script does what a user adds to their own code:
+
+    tf_relupool.enable_recompute(keep="argmax")    # or keep="input"
+    model = tf_relupool.rewrite_model(model)       # Conv2D(relu)/ReLU + MaxPooling2D -> fused
+
+Several comma-separated modes (--recompute off,argmax) train the same initial weights on the same
+batches once per mode, one after another, and print a side-by-side summary. Per epoch, after
+Keras's progress bar: loss, accuracy, median step time and peak training-step memory (bytes
+allocated during a step above what was resident before it, from TensorFlow's BFC allocator).
+
+    python examples/cifar10.py                                  # simple CNN, synthetic data
+    python examples/cifar10.py --model vgg --recompute off,argmax --epochs 2
+    python examples/cifar10.py --data ../shared/data/cifar10-jpeg.tar.gz --limit 10000
+    python examples/cifar10.py --data keras                     # keras.datasets.cifar10
+"""
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+import data as data_lib  # noqa: E402  (no TensorFlow import)
+
+MODELS = ("simple", "vgg", "resnet")
+MODES = ("off", "argmax", "input")
+MIB = 2.0 ** 20
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line on stderr (exit status 2)."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def _positive_int(name):
+    def parse(text):
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+        if value <= 0:
+            raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
+        return value
+    parse.__name__ = name
+    return parse
+
+
+def _modes(text):
+    modes = [m.strip().lower() for m in text.split(",") if m.strip()]
+    bad = [m for m in modes if m not in MODES]
+    if not modes or bad:
+        raise argparse.ArgumentTypeError(
+            f"invalid choice {','.join(bad) or text!r} (choose from {', '.join(MODES)}, "
+            "or several separated by commas)")
+    return modes
+
+
+def parse_args(argv=None):
+    p = OneLineParser(prog="cifar10.py", description=__doc__.split("\n")[0])
+    p.add_argument("--model", choices=MODELS, default="simple",
+                   help="simple CNN, VGG-style or ResNet-style (default simple)")
+    p.add_argument("--recompute", type=_modes, default=["off"], metavar="{off,argmax,input}",
+                   help="off: stock layers; argmax: enable_recompute() defaults (1-byte argmax "
+                        "codes); input: enable_recompute(keep='input'); several, comma-separated, "
+                        "train one after another from the same weights (default off)")
+    p.add_argument("--batch-size", type=_positive_int("batch size"), default=128)
+    p.add_argument("--epochs", type=_positive_int("epochs"), default=1)
+    p.add_argument("--steps-per-epoch", type=_positive_int("steps"), default=None)
+    p.add_argument("--data", default="synthetic",
+                   help="synthetic (offline default), keras (keras.datasets.cifar10), an "
+                        "image-folder directory (<class>/ or train/<class>/ + test/<class>/) "
+                        "or a .tar.gz of one")
+    p.add_argument("--limit", type=_positive_int("image count"), default=None,
+                   help="use only this many training images")
+    p.add_argument("--test-limit", type=_positive_int("image count"), default=None,
+                   help="use only this many test images")
+    p.add_argument("--learning-rate", type=float, default=1e-3, help="Adam's (default 1e-3)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--deterministic", action="store_true",
+                   help="tf.config.experimental.enable_op_determinism() (bitwise-repeatable)")
+    p.add_argument("--inter-op-threads", type=int, default=1,
+                   help="TensorFlow inter-op parallelism; 1 (default) makes the peak memory "
+                        "comparable between runs, 0 is TensorFlow's default")
+    p.add_argument("--verbose", type=int, default=1, choices=(0, 1, 2),
+                   help="Keras fit verbosity (1: progress bar)")
+    p.add_argument("--json", metavar="FILE", help="also write the results (per-step losses, "
+                   "accuracies, times, peaks) to FILE as JSON")
+    args = p.parse_args(argv)
+    try:
+        args.data = data_lib.check_source(args.data)
+    except data_lib.DataError as e:
+        p.error(f"argument --data: {e}")
+    return args, p
+
+
+def _setup_tensorflow(args):
+    # The BFC allocator keeps the statistics read below; it must be chosen before TF starts.
+    os.environ.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "true")
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    import tensorflow as tf
+    if args.inter_op_threads:
+        tf.config.threading.set_inter_op_parallelism_threads(args.inter_op_threads)
+    if args.deterministic:
+        tf.config.experimental.enable_op_determinism()
+    return tf
+
+
+def _step_stats_callback(tf):
+    import keras
+
+    class StepStats(keras.callbacks.Callback):
+        """Per training step: wall time, peak allocator bytes above resident, loss."""
+
+        def __init__(self):
+            super().__init__()
+            self.epochs = []
+            try:
+                tf.config.experimental.get_memory_info("CPU:0")
+                self.memory = True
+            except ValueError:  # TF started without TF_CPU_ALLOCATOR_USE_BFC=true
+                self.memory = False
+
+        def on_epoch_begin(self, epoch, logs=None):
+            self.times, self.peaks, self.losses = [], [], []
+
+        def on_train_batch_begin(self, batch, logs=None):
+            if self.memory:
+                tf.config.experimental.reset_memory_stats("CPU:0")
+                self.before = tf.config.experimental.get_memory_info("CPU:0")["current"]
+            self.start = time.perf_counter()
+
+        def on_train_batch_end(self, batch, logs=None):
+            loss = float(logs["loss"])  # waits for the step
+            self.times.append(time.perf_counter() - self.start)
+            self.losses.append(loss)
+            if self.memory:
+                self.peaks.append(tf.config.experimental.get_memory_info("CPU:0")["peak"]
+                                  - self.before)
+
+        def on_epoch_end(self, epoch, logs=None):
+            times = self.times[1:] if epoch == 0 and len(self.times) > 1 else self.times
+            stats = {"epoch": epoch + 1, "loss": float(logs["loss"]),
+                     "accuracy": float(logs["accuracy"]),
+                     "step_time_s": statistics.median(times),
+                     "peak_bytes": max(self.peaks) if self.peaks else None,
+                     "median_peak_bytes": statistics.median(self.peaks) if self.peaks else None,
+                     "step_losses": self.losses}
+            self.epochs.append(stats)
+            peak = (f"peak step memory {stats['peak_bytes'] / MIB:.1f} MiB (median "
+                    f"{stats['median_peak_bytes'] / MIB:.1f})" if self.peaks
+                    else "peak step memory n/a (set TF_CPU_ALLOCATOR_USE_BFC=true)")
+            print(f"epoch {epoch + 1}: loss {stats['loss']:.4f}, accuracy "
+                  f"{stats['accuracy']:.4f}, step time {stats['step_time_s'] * 1e3:.0f} ms "
+                  f"(median), {peak}", flush=True)
+
+    return StepStats()
+
+
+def train_one(args, mode, tf):
+    """Builds, (rewrites,) compiles, fits and evaluates the model for one --recompute mode."""
+    import keras
+    import models
+    import tf_relupool
+
+    keras.utils.set_random_seed(args.seed)  # same initial weights and batches for every mode
+    train, test, description = data_lib.load(args.data, args.batch_size, args.limit,
+                                             args.test_limit, args.seed)
+    model = models.build(args.model)
+    if mode == "off":
+        tf_relupool.disable_recompute()
+    else:
+        tf_relupool.enable_recompute(keep=mode)
+        model = tf_relupool.rewrite_model(model)  # new model, same weights
+    fused = sum(isinstance(l, tf_relupool.ReluMaxPool2D) for l in _all_layers(model))
+    model.compile(optimizer=keras.optimizers.Adam(args.learning_rate),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  metrics=["accuracy"], jit_compile=False)
+    print(f"== {args.model}, recompute {mode}: {fused} fused ReLU+MaxPool layer(s); "
+          f"{description}; batch {args.batch_size}", flush=True)
+    stats = _step_stats_callback(tf)
+    callbacks = [stats]
+    if args.verbose:  # the progress bar first, so that each epoch's line follows its bar
+        callbacks.insert(0, keras.callbacks.ProgbarLogger())
+    model.fit(train, epochs=args.epochs, steps_per_epoch=args.steps_per_epoch,
+              callbacks=callbacks, verbose=args.verbose)
+    test_loss, test_acc = model.evaluate(test, verbose=0)
+    print(f"test: loss {test_loss:.4f}, accuracy {test_acc:.4f}", flush=True)
+    tf_relupool.disable_recompute()
+    return {"mode": mode, "model": args.model, "fused_layers": fused, "epochs": stats.epochs,
+            "test_loss": float(test_loss), "test_accuracy": float(test_acc)}
+
+
+def _all_layers(model):
+    for layer in model.layers:
+        yield layer
+        if hasattr(layer, "layers"):
+            yield from _all_layers(layer)
+
+
+def summary(results):
+    """A side-by-side table of the last epoch of each mode."""
+    ref = results[0]["epochs"][-1]
+    lines = ["| recompute | peak step memory, max (MiB) | median (MiB) | median vs first | "
+             "step time (ms) | speed vs first | train loss | test accuracy |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        e = r["epochs"][-1]
+        peak = f"{e['peak_bytes'] / MIB:.1f}" if e["peak_bytes"] else "n/a"
+        median = f"{e['median_peak_bytes'] / MIB:.1f}" if e["peak_bytes"] else "n/a"
+        ratio = f"{e['median_peak_bytes'] / ref['median_peak_bytes']:.2f}x" if \
+            e["peak_bytes"] and ref["peak_bytes"] else "n/a"
+        lines.append(f"| {r['mode']} | {peak} | {median} | {ratio} | {e['step_time_s'] * 1e3:.0f} | "
+                     f"{ref['step_time_s'] / e['step_time_s']:.2f}x | {e['loss']:.4f} | "
+                     f"{r['test_accuracy']:.4f} |")
+    if len(results) > 1:
+        same = all(r["epochs"][i]["step_losses"] == results[0]["epochs"][i]["step_losses"]
+                   for r in results[1:] for i in range(len(r["epochs"])))
+        lines.append("")
+        lines.append("per-step training losses bitwise equal across modes: "
+                     f"{'yes' if same else 'no'}")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    args, parser = parse_args(argv)
+    tf = _setup_tensorflow(args)
+    results = []
+    try:
+        for mode in args.recompute:
+            results.append(train_one(args, mode, tf))
+    except data_lib.DataError as e:
+        parser.error(f"argument --data: {e}")
+    print()
+    print(summary(results))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
