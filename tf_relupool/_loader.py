@@ -1,4 +1,8 @@
-"""Loads the compiled op library once, lazily, and explains every way that can fail."""
+"""Loads the compiled op library once and explains every way that can fail.
+
+`import tf_relupool` calls load_library() (so that graphs and SavedModels naming the ops load),
+but a failure there is deferred: the OpLibraryError is raised at the first use of an op.
+"""
 import os
 import threading
 
