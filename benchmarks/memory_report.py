@@ -34,6 +34,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, os.path.join(ROOT, "examples"))
 
+MODELS = ("simple", "vgg", "resnet")  # examples/models.py
 VARIANTS = ("stock", "recompute_grad", "fused argmax", "fused input")
 MIB = 2.0 ** 20
 
@@ -326,13 +327,11 @@ def parse_args(argv=None):
                    help="re-render the table and plot from memory_report.json in --out")
     p.add_argument("--worker", choices=("peaks", "times"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    import models
-    args.models = (args.models or ("simple,vgg" if args.quick else ",".join(models.MODELS)))
+    args.models = (args.models or ("simple,vgg" if args.quick else ",".join(MODELS)))
     args.models = [m.strip() for m in args.models.split(",") if m.strip()]
     for m in args.models:
-        if m not in models.MODELS:
-            p.error(f"argument --models: unknown model {m!r} (choose from "
-                    f"{', '.join(models.MODELS)})")
+        if m not in MODELS:
+            p.error(f"argument --models: unknown model {m!r} (choose from {', '.join(MODELS)})")
     try:
         args.batch_sizes = [int(b) for b in (args.batch_sizes or (
             "32,128" if args.quick else "32,64,128,256")).split(",")]

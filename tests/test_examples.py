@@ -1,0 +1,158 @@
+"""The CIFAR-10 example (examples/cifar10.py) and the memory report, run as a user runs them.
+
+Each case runs the script in a fresh Python process (TF_CPU_ALLOCATOR_USE_BFC must be set before
+TensorFlow starts, and the recompute switch is process-global).
+"""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CIFAR = os.path.join(ROOT, "examples", "cifar10.py")
+REPORT = os.path.join(ROOT, "benchmarks", "memory_report.py")
+# In a CI clone the shared data sits beside the project root; TF_RELUPOOL_CIFAR10 overrides.
+REAL_DATA = os.environ.get("TF_RELUPOOL_CIFAR10",
+                           os.path.join(ROOT, "..", "shared", "data", "cifar10-jpeg.tar.gz"))
+
+
+def run(script, *args, timeout=1200, env=None):
+    full_env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", **(env or {}))
+    return subprocess.run([sys.executable, script, *args], capture_output=True, text=True,
+                          timeout=timeout, cwd=os.path.dirname(script), env=full_env)
+
+
+# ---- bad input: one line naming the option, exit status 2, no traceback ----
+
+def _bad_inputs(tmp_path):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    no_images = tmp_path / "no_images"
+    for c in ("cat", "dog"):
+        (no_images / c).mkdir(parents=True)
+        (no_images / c / "notes.txt").write_text("not an image")
+    one_class = tmp_path / "one_class"
+    (one_class / "cat").mkdir(parents=True)
+    (one_class / "cat" / "a.jpg").write_bytes(b"")
+    text_file = tmp_path / "data.txt"
+    text_file.write_text("hello")
+    bad_tar = tmp_path / "broken.tar.gz"
+    bad_tar.write_bytes(b"\x1f\x8b not really gzip")
+    return [
+        (["--model", "alexnet"], "--model"),
+        (["--batch-size", "0"], "--batch-size"),
+        (["--batch-size", "-4"], "--batch-size"),
+        (["--batch-size", "many"], "--batch-size"),
+        (["--epochs", "0"], "--epochs"),
+        (["--recompute", "sometimes"], "--recompute"),
+        (["--data", str(tmp_path / "missing")], "--data"),
+        (["--data", str(empty)], "--data"),
+        (["--data", str(no_images)], "--data"),
+        (["--data", str(one_class)], "--data"),
+        (["--data", str(text_file)], "--data"),
+        (["--data", str(bad_tar)], "--data"),
+        (["--limit", "0"], "--limit"),
+    ]
+
+
+def test_cli_bad_input_is_one_line_naming_the_option(tmp_path):
+    for args, option in _bad_inputs(tmp_path):
+        p = run(CIFAR, *args, timeout=120)
+        assert p.returncode == 2, (args, p.returncode, p.stderr[-2000:])
+        err = p.stderr.strip()
+        assert "Traceback" not in p.stderr, (args, p.stderr[-2000:])
+        assert len(err.splitlines()) == 1, (args, err)
+        assert option in err, (args, err)
+        assert p.stdout == "", (args, p.stdout)
+
+
+def test_report_bad_input():
+    for args, option in ((["--models", "lenet"], "--models"),
+                         (["--batch-sizes", "0,32"], "--batch-sizes"),
+                         (["--batch-sizes", "x"], "--batch-sizes")):
+        p = run(REPORT, *args, timeout=120)
+        assert p.returncode == 2, (args, p.stderr[-2000:])
+        assert option in p.stderr and "Traceback" not in p.stderr, (args, p.stderr[-2000:])
+
+
+# ---- short synthetic training: learns, stock == fused bitwise, fused needs less memory ----
+
+@pytest.mark.parametrize("model, batch", [("simple", 64), ("vgg", 32), ("resnet", 32)])
+def test_synthetic_training(tmp_path, model, batch):
+    out = tmp_path / "result.json"
+    p = run(CIFAR, "--model", model, "--recompute", "off,argmax,input", "--epochs", "2",
+            "--steps-per-epoch", "6", "--batch-size", str(batch), "--limit", "384",
+            "--test-limit", "64", "--deterministic", "--verbose", "0", "--json", str(out))
+    assert p.returncode == 0, p.stderr[-4000:]
+    results = json.loads(out.read_text())
+    stock, argmax, keep_input = results
+    assert [r["mode"] for r in results] == ["off", "argmax", "input"]
+    assert stock["fused_layers"] == 0 and argmax["fused_layers"] == keep_input["fused_layers"] > 0
+    # It learns: the running loss after the last step is below the first step's loss. (The
+    # VGG-style net, 8 convs without batch norm, sits on its ln(10) plateau for longer than
+    # 12 steps; for it the bitwise and memory checks below are the test.)
+    first, last = stock["epochs"][0]["step_losses"][0], stock["epochs"][-1]["step_losses"][-1]
+    if model != "vgg":
+        assert last < first, (first, last)
+    # Stock and fused train bitwise alike (op determinism on, CPU).
+    for fused in (argmax, keep_input):
+        for e_stock, e_fused in zip(stock["epochs"], fused["epochs"]):
+            assert e_fused["step_losses"] == e_stock["step_losses"], fused["mode"]
+        assert fused["test_accuracy"] == stock["test_accuracy"]
+    # keep="argmax" keeps 1-byte codes instead of a float tensor per pool: a lower median peak.
+    # (ResNet-style has one pool, in the stem, so its saving is the smallest.)
+    stock_peak = stock["epochs"][-1]["median_peak_bytes"]
+    argmax_peak = argmax["epochs"][-1]["median_peak_bytes"]
+    assert argmax_peak < stock_peak, (argmax_peak, stock_peak)
+    assert "per-step training losses bitwise equal across modes: yes" in p.stdout
+
+
+def test_memory_report_quick(tmp_path):
+    """The report's worker measures peaks and the driver writes the table and the plot."""
+    p = run(REPORT, "--quick", "--models", "simple", "--batch-sizes", "16,32", "--cap-batch",
+            "32", "--time-batch", "16", "--rounds", "2", "--reps", "2", "--out", str(tmp_path))
+    assert p.returncode == 0, p.stderr[-4000:]
+    md = (tmp_path / "memory_report.md").read_text()
+    for variant in ("stock", "recompute_grad", "fused argmax", "fused input"):
+        assert f"| simple | {variant} |" in md
+    assert (tmp_path / "memory_report.png").stat().st_size > 1000
+    r = json.loads((tmp_path / "memory_report.json").read_text())["simple"]
+    assert r["all_peaks"]["fused argmax"]["32"] < r["all_peaks"]["stock"]["32"]
+    assert r["largest"]["fused argmax"] > r["largest"]["stock"]
+
+
+# ---- real CIFAR-10 images: stock and fused train bitwise alike ----
+
+def _real_data_equality(tmp_path, limit, test_limit):
+    if not os.path.exists(REAL_DATA):
+        pytest.skip(f"no CIFAR-10 JPEG archive at {REAL_DATA}")
+    out = tmp_path / "result.json"
+    p = run(CIFAR, "--model", "simple", "--recompute", "off,argmax", "--data", REAL_DATA,
+            "--limit", str(limit), "--test-limit", str(test_limit), "--epochs", "1",
+            "--batch-size", "128", "--deterministic", "--verbose", "0", "--json", str(out),
+            timeout=3600)
+    assert p.returncode == 0, p.stderr[-4000:]
+    stock, fused = json.loads(out.read_text())
+    assert fused["fused_layers"] == 4
+    losses_stock = stock["epochs"][0]["step_losses"]
+    losses_fused = fused["epochs"][0]["step_losses"]
+    assert len(losses_stock) == -(-limit // 128)
+    # Keras's logged loss after every step (the epoch's running mean), bitwise.
+    assert losses_fused == losses_stock
+    assert fused["test_accuracy"] == stock["test_accuracy"]
+    assert fused["test_loss"] == stock["test_loss"]
+    assert losses_stock[-1] < losses_stock[0]  # it learned something
+    return stock, fused
+
+
+def test_real_images_slice_bitwise(tmp_path):
+    """2,000 real training images, 1,000 test images (the full 10,000 run is slow-marked)."""
+    _real_data_equality(tmp_path, 2000, 1000)
+
+
+@pytest.mark.slow
+def test_real_images_one_epoch_10k_bitwise(tmp_path):
+    """One epoch on 10,000 real CIFAR-10 training images, evaluated on the 10,000 test images."""
+    _real_data_equality(tmp_path, 10000, 10000)
