@@ -36,6 +36,8 @@ def _window_attr(value, name, data_format):
         raise ValueError(f"{name} must be an int or a list of 1, 2 or 4 ints, got {value!r}")
     if any(v < 1 for v in spatial):
         raise ValueError(f"{name} must be >= 1 in every spatial dimension, got {value}")
+    if any(v > 2**31 - 1 for v in spatial):
+        raise ValueError(f"{name} must be at most 2**31 - 1 in every spatial dimension, got {value}")
     return [1] + spatial + [1] if data_format == "NHWC" else [1, 1] + spatial
 
 
@@ -60,7 +62,8 @@ def _check_args(input, ksize, strides, padding, data_format, keep):
 def argmax_dtype_for(input_shape, ksize, data_format="NHWC"):
     """The narrowest code type for windows of `ksize` (4 entries) over `input_shape`."""
     rows, cols = (1, 2) if data_format == "NHWC" else (2, 3)
-    dims = list(input_shape)
+    shape = tf.TensorShape(input_shape)
+    dims = shape.as_list() if shape.rank is not None else [None] * 4  # unknown rank: ksize alone
     h = ksize[rows] if dims[rows] is None else min(ksize[rows], dims[rows])
     w = ksize[cols] if dims[cols] is None else min(ksize[cols], dims[cols])
     for dtype, sentinel in _ARGMAX_DTYPES:
