@@ -13,6 +13,7 @@
 // Both reproduce the CPU code's comparisons and roundings step by step (see relu_max_pool.h).
 #include <cuda_fp16.h>
 
+#include <atomic>
 #include <cstdint>
 #include <type_traits>
 
@@ -124,6 +125,28 @@ __device__ __forceinline__ T MaskT(T a, bool keep) {
 template <typename T>
 __device__ __forceinline__ T RoutedT(T dy, bool keep) {
   return MaskT(AddT(ZeroT<T>(), dy), keep);
+}
+
+// RoutedT for the fast path, on bits for the 16-bit types (the value is exact, so no rounding
+// is involved): keep ? (0 + dy) * 1 : (0 + dy) * 0. Equal to RoutedT bit for bit except that a NaN
+// result may carry another payload or sign (relu_max_pool_gpu.h).
+__device__ __forceinline__ uint16_t Routed16(uint16_t u, bool keep, uint16_t inf_bits) {
+  const uint16_t mag = u & 0x7fffu;
+  if (keep) return mag == 0 ? uint16_t{0} : u;         // 0 + (-0) is +0
+  if (mag >= inf_bits) return uint16_t{0x7fffu};        // Inf * 0, NaN * 0: NaN
+  return mag == 0 ? uint16_t{0} : uint16_t(u & 0x8000u);  // +-0 with dy's sign (0 + -0 is +0)
+}
+template <typename T>
+__device__ __forceinline__ T FastRouted(T dy, bool keep) {
+  return RoutedT(dy, keep);
+}
+template <>
+__device__ __forceinline__ Half FastRouted<Half>(Half dy, bool keep) {
+  return Half{Routed16(dy.bits, keep, 0x7c00u)};
+}
+template <>
+__device__ __forceinline__ BFloat16 FastRouted<BFloat16>(BFloat16 dy, bool keep) {
+  return BFloat16{Routed16(dy.bits, keep, 0x7f80u)};
 }
 
 inline unsigned GridFor(int64_t n, int threads) {
@@ -310,6 +333,28 @@ struct Raw<16> {
   using type = uint4;
 };
 
+// Cache hints of the fast kernels' global accesses (a tuning knob, measured by gpu_check):
+// TFRP_STREAMING = 0: default caching; 1: stores evict-first (st.global.cs); 2: loads too.
+#ifndef TFRP_STREAMING
+#define TFRP_STREAMING 0
+#endif
+template <typename R>
+__device__ __forceinline__ R LoadRaw(const R* p) {
+#if TFRP_STREAMING >= 2
+  return __ldcs(p);
+#else
+  return *p;
+#endif
+}
+template <typename R>
+__device__ __forceinline__ void StoreRaw(R* p, R v) {
+#if TFRP_STREAMING >= 1
+  __stcs(p, v);
+#else
+  *p = v;
+#endif
+}
+
 // N values of type E, loaded/stored with the widest accesses their (aligned) size allows.
 template <typename E, int N>
 struct alignas(sizeof(E) * N > 16 ? 16 : sizeof(E) * N) Pack {
@@ -324,7 +369,7 @@ __device__ __forceinline__ Pack<E, N> LoadPack(const E* p) {
   R* dst = reinterpret_cast<R*>(&out);
   const R* src = reinterpret_cast<const R*>(p);
 #pragma unroll
-  for (int i = 0; i < kBytes / kChunk; ++i) dst[i] = src[i];
+  for (int i = 0; i < kBytes / kChunk; ++i) dst[i] = LoadRaw(src + i);
   return out;
 }
 template <typename E, int N>
@@ -335,7 +380,7 @@ __device__ __forceinline__ void StorePack(E* p, const Pack<E, N>& in) {
   const R* src = reinterpret_cast<const R*>(&in);
   R* dst = reinterpret_cast<R*>(p);
 #pragma unroll
-  for (int i = 0; i < kBytes / kChunk; ++i) dst[i] = src[i];
+  for (int i = 0; i < kBytes / kChunk; ++i) StoreRaw(dst + i, src[i]);
 }
 
 // Geometry of the fast path, in the index type I (32 bits whenever the input fits).
@@ -463,7 +508,7 @@ __global__ void __launch_bounds__(kThreads) Fast2x2Kernel(const FastGeom<I> g,
 #pragma unroll
       for (int j = 0; j < G; ++j) {
         const int target = code[j] < 0 ? 0 : code[j];
-        const T routed = RoutedT(d.v[j], code[j] >= 0);
+        const T routed = FastRouted(d.v[j], code[j] >= 0);
 #pragma unroll
         for (int k = 0; k < 4; ++k) dz[k][j] = k == target ? routed : ZeroT<T>();
       }
@@ -516,6 +561,26 @@ bool UseFast2x2(const PoolParams& p, const void* a, const void* b, const void* c
          Aligned(codes, code_align);
 }
 
+// Grid of the fast kernels. TFRP_FAST_WAVES = 0: one thread per group; N > 0: at most N waves of
+// resident blocks (8 blocks of 256 threads per multiprocessor), each thread looping over groups.
+#ifndef TFRP_FAST_WAVES
+#define TFRP_FAST_WAVES 0
+#endif
+unsigned FastGrid(int64_t groups) {
+  const unsigned grid = GridFor(groups, kThreads);
+  if (TFRP_FAST_WAVES <= 0) return grid;
+  static std::atomic<int> sms_of[64];
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess || device < 0 || device >= 64) return grid;
+  int sms = sms_of[device].load(std::memory_order_relaxed);
+  if (sms == 0) {
+    if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess) return grid;
+    sms_of[device].store(sms, std::memory_order_relaxed);
+  }
+  const int64_t cap = int64_t{sms} * (2048 / kThreads) * TFRP_FAST_WAVES;
+  return grid < cap ? grid : static_cast<unsigned>(cap);
+}
+
 template <typename T, typename C, FastOp kOp, bool kNchw, typename I>
 void LaunchFastTyped(const PoolParams& p, const T* z, const T* dy, const C* codes_in, T* out,
                      C* codes_out, unsigned long long* first_bad, cudaStream_t stream) {
@@ -527,7 +592,7 @@ void LaunchFastTyped(const PoolParams& p, const T* z, const T* dy, const C* code
   g.out_rows = static_cast<I>(p.out_rows);
   g.in_cols = static_cast<I>(p.in_cols);
   g.lanes = static_cast<I>(p.lanes);
-  Fast2x2Kernel<T, C, kOp, kNchw, I><<<GridFor(g.groups, kThreads), kThreads, 0, stream>>>(
+  Fast2x2Kernel<T, C, kOp, kNchw, I><<<FastGrid(g.groups), kThreads, 0, stream>>>(
       g, z, dy, codes_in, out, codes_out, first_bad);
 }
 
