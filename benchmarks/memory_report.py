@@ -238,14 +238,33 @@ def _machine():
     return f"{cpu}, {os.cpu_count()} CPU cores, {platform.system()} {platform.release()}"
 
 
+def _library_info():
+    """Which op library the workers load: its file's modification time and the checkout's HEAD."""
+    import importlib.util
+    spec = importlib.util.find_spec("tf_relupool")
+    info = {}
+    if spec and spec.origin:
+        so = os.path.join(os.path.dirname(spec.origin), "_relu_max_pool_ops.so")
+        if os.path.exists(so):
+            info["op_library_built"] = f"{datetime.datetime.fromtimestamp(os.path.getmtime(so)):%Y-%m-%d %H:%M}"
+    try:
+        info["git_head"] = subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"],
+                                          capture_output=True, text=True).stdout.strip()
+    except OSError:
+        pass
+    return info
+
+
 def _fmt_ratio(value, ref):
     return f"{value / ref:.2f}x" if ref else "n/a"
 
 
-def render(results, args, versions):
+def render(results, args, versions, meta):
+    lib = meta.get("library", {})
     lines = [f"# Peak training-step memory and step time: stock vs fused ReLU + max pool", "",
-             f"{datetime.datetime.now():%Y-%m-%d %H:%M}, {_machine()}; TensorFlow "
-             f"{versions['tf']}, Keras {versions['keras']}, float32, SGD, CPU.", "",
+             f"{meta.get('date')}, {meta.get('machine')}; TensorFlow "
+             f"{versions['tf']}, Keras {versions['keras']}, float32, SGD, CPU; op library built "
+             f"{lib.get('op_library_built', '?')}, checkout {lib.get('git_head', '?')}.", "",
              "Peak: bytes allocated during one training step above what was resident before it "
              "(BFC allocator stats, inter-op parallelism 1, median over "
              f"{args.reps} steps after a warm-up; min-max in brackets). Time: median of {args.rounds} interleaved "
@@ -321,8 +340,9 @@ def parse_args(argv=None):
     p.add_argument("--time-batch", type=int, default=128)
     p.add_argument("--tolerance", type=float, default=None,
                    help="bisection stops at this fraction of the batch size")
-    p.add_argument("--out", default=os.path.join(HERE, "results"),
-                   help="directory for memory_report.md and memory_report.png")
+    p.add_argument("--out", default=None,
+                   help="directory for memory_report.md/.png/.json (default benchmarks/results, "
+                        "with --quick build/demo)")
     p.add_argument("--render-only", action="store_true",
                    help="re-render the table and plot from memory_report.json in --out")
     p.add_argument("--worker", choices=("peaks", "times"), help=argparse.SUPPRESS)
@@ -339,7 +359,9 @@ def parse_args(argv=None):
         p.error("argument --batch-sizes: expected comma-separated integers")
     if any(b <= 0 for b in args.batch_sizes) or args.cap_batch <= 0 or args.time_batch <= 0:
         p.error("argument --batch-sizes/--cap-batch/--time-batch: batch sizes must be > 0")
-    args.reps = args.reps or (3 if args.quick else 7)
+    args.out = args.out or (os.path.join(ROOT, "build", "demo") if args.quick
+                            else os.path.join(HERE, "results"))
+    args.reps = args.reps or (3 if args.quick else 5)
     args.rounds = args.rounds or (3 if args.quick else 9)
     args.tolerance = args.tolerance if args.tolerance is not None else (
         0.1 if args.quick else 0.02)
@@ -366,11 +388,17 @@ def main(argv=None):
         r["times"] = _worker("times", model, args)
         results[model] = r
         print(f"memory_report: {model} done in {time.time() - t0:.0f} s", flush=True)
+        os.makedirs(args.out, exist_ok=True)
+        with open(json_path + ".partial", "w") as f:  # survives an interrupted run
+            json.dump(results, f, indent=1)
     os.makedirs(args.out, exist_ok=True)
     if not args.render_only:
+        results["_meta"] = {"library": _library_info(), "date": f"{datetime.datetime.now():%Y-%m-%d %H:%M}",
+                            "machine": _machine()}
         with open(json_path, "w") as f:
             json.dump(results, f, indent=1)
-    md = render(results, args, versions)
+    meta = results.pop("_meta", {})
+    md = render(results, args, versions, meta)
     md_path = os.path.join(args.out, "memory_report.md")
     png_path = os.path.join(args.out, "memory_report.png")
     plot(results, args, png_path)
