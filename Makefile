@@ -196,3 +196,104 @@ sanitize-py: sanitize-lib
 	$(SAN_ENV) $(VENV)/bin/pytest -q -p no:cacheprovider $(SAN_TESTS)
 
 sanitize: sanitize-cc sanitize-py
+
+# ---- Bazel: the op library and the Python tests with Bazel 4.2 (Debian's bazel-bootstrap). ----
+# `make bazel-test` installs bazel-bootstrap with apt when no bazel is on PATH, sets up the venv,
+# builds //:relu_max_pool_ops against the venv's TensorFlow (CUDA kernels too when nvcc is found,
+# as in setup.py; TF_RELUPOOL_CUDA=0 turns them off) and runs //:op_tests. Offline: the WORKSPACE
+# declares only local repositories. Bazel's output stays in build/bazel-root (build/bazel-bin etc.
+# are the convenience links); its server exits after $(BAZEL_IDLE_SECS) s idle.
+BAZEL ?= bazel
+BAZEL_ROOT ?= $(CURDIR)/build/bazel-root
+BAZEL_IDLE_SECS ?= 600
+BAZEL_FLAGS ?=
+BAZEL_CMD = TF_RELUPOOL_PYTHON=$(abspath $(PY)) $(BAZEL) --output_user_root=$(BAZEL_ROOT) \
+	--max_idle_secs=$(BAZEL_IDLE_SECS)
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+
+.PHONY: bazel-install bazel-build bazel-test bazel-clean
+
+bazel-install:
+	@command -v $(BAZEL) >/dev/null 2>&1 || { $(SUDO) apt-get update && \
+	  DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y bazel-bootstrap; }
+
+bazel-build: bazel-install $(VENV)/.deps
+	$(BAZEL_CMD) build $(BAZEL_FLAGS) //:relu_max_pool_ops
+
+bazel-test: bazel-install $(VENV)/.deps
+	$(BAZEL_CMD) test $(BAZEL_FLAGS) //:op_tests
+
+bazel-clean:
+	-[ ! -d $(BAZEL_ROOT) ] || $(BAZEL_CMD) shutdown
+	rm -rf $(BAZEL_ROOT) build/bazel-bin build/bazel-out build/bazel-testlogs build/bazel-$(notdir $(CURDIR))
+
+# ---- CIFAR-10 examples (issue 5) ----
+.PHONY: report demo-real
+# The full memory/speed report: three models, four variants, several batch sizes (~20-30 min).
+report: install
+	$(PY) benchmarks/memory_report.py
+
+demo-real: install
+	$(MAKE) --no-print-directory demo DATA=$(or $(DATA),../shared/data/cifar10-jpeg.tar.gz)
+
+# ---- Reliability (issue 6): fuzzing and sanitizers. README: "Fuzzing and sanitizers". ----
+# `make fuzz` runs FUZZ_CALLS random calls (valid and invalid) of every op in worker processes
+# and prints counts (ok, errors by type, crashes); FUZZ_SEED picks the calls, so a failure replays.
+# `make sanitize` runs the framework-free kernel test under ASan+UBSan, then builds the op library
+# with ASan+UBSan into build/sanitize (the normal install is untouched) and runs the op tests with
+# it, the ASan runtime preloaded into python. `make tsan` runs the kernel test under TSan.
+FUZZ_CALLS ?= 10000
+FUZZ_SEED ?= 1
+FUZZ_JOBS ?= 2
+SAN_BUILD := build/sanitize
+SAN_CXXFLAGS ?= -fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=undefined -g -O1
+# GCC's null / nonnull-attribute checks make absl's constexpr function-pointer comparisons in
+# TensorFlow's headers non-constant (a compile error), so the TF build goes without those three;
+# ASan still catches null dereferences, and the framework-free kernel test keeps all of UBSan.
+SAN_LIB_CXXFLAGS ?= $(SAN_CXXFLAGS) -fno-sanitize=null,nonnull-attribute,returns-nonnull-attribute
+SAN_TESTS ?= tests/test_ops.py tests/test_bad_input.py tests/test_fuzz.py tests/test_concurrency.py
+SAN_FUZZ_CALLS ?= 1000
+CC_TEST_SRCS := tests/cc/kernels_test.cc cc/kernels/relu_max_pool_cpu.cc cc/kernels/relu_max_pool_params.cc
+CC_TEST_ITERS ?= 2000
+CXX_TEST ?= g++
+SAN_ENV = LD_PRELOAD=$$($(CXX_TEST) -print-file-name=libasan.so) \
+	ASAN_OPTIONS=detect_leaks=0:allocator_may_return_null=1:abort_on_error=1 \
+	UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
+	PYTHONPATH=$(abspath $(SAN_BUILD)/lib) TF_RELUPOOL_FUZZ_CALLS=$(SAN_FUZZ_CALLS)
+
+.PHONY: fuzz sanitize sanitize-cc sanitize-lib sanitize-py tsan
+
+fuzz: install
+	$(PY) tests/fuzz_ops.py --calls $(FUZZ_CALLS) --seed $(FUZZ_SEED) --jobs $(FUZZ_JOBS)
+
+$(SAN_BUILD)/kernels_test_asan: $(CC_TEST_SRCS) $(wildcard cc/kernels/*.h)
+	@mkdir -p $(@D)
+	$(CXX_TEST) -std=c++17 $(SAN_CXXFLAGS) -fno-sanitize-recover=all -I. $(CC_TEST_SRCS) -o $@ -pthread
+
+$(SAN_BUILD)/kernels_test_tsan: $(CC_TEST_SRCS) $(wildcard cc/kernels/*.h)
+	@mkdir -p $(@D)
+	$(CXX_TEST) -std=c++17 -fsanitize=thread -g -O1 -I. $(CC_TEST_SRCS) -o $@ -pthread
+
+sanitize-cc: $(SAN_BUILD)/kernels_test_asan
+	ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
+	  $< --iters $(CC_TEST_ITERS)
+
+tsan: $(SAN_BUILD)/kernels_test_tsan
+	TSAN_OPTIONS=halt_on_error=1:second_deadlock_stack=1 $< --iters $$(( $(CC_TEST_ITERS) / 4 )) --threads 4
+
+# The op library and the Python package, built with the sanitizers, in build/sanitize/lib.
+$(SAN_BUILD)/.built: $(VENV)/.deps $(SOURCES)
+	rm -rf $(SAN_BUILD)/lib $(SAN_BUILD)/tmp
+	TF_RELUPOOL_CUDA=0 TF_RELUPOOL_CXXFLAGS="$(SAN_LIB_CXXFLAGS)" $(PY) setup.py -q \
+	  build_py --build-lib $(SAN_BUILD)/lib \
+	  build_ext --build-lib $(SAN_BUILD)/lib --build-temp $(SAN_BUILD)/tmp
+	touch $@
+
+sanitize-lib: $(SAN_BUILD)/.built
+
+sanitize-py: sanitize-lib
+	cd $(SAN_BUILD) && $(SAN_ENV) $(abspath $(PY)) -c "import tf_relupool._loader as l; p = l.library_path(); \
+	  assert p.startswith('$(abspath $(SAN_BUILD))'), p; l.load_library(); print('sanitized library:', p)"
+	$(SAN_ENV) $(VENV)/bin/pytest -q -p no:cacheprovider $(SAN_TESTS)
+
+sanitize: sanitize-cc sanitize-py
