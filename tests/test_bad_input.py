@@ -28,6 +28,7 @@ ATTRS = dict(ksize=[1, 2, 2, 1], strides=[1, 2, 2, 1], padding="VALID")
     (dict(data_format="NCDHW"), "data_format"),
     (dict(input=tf.zeros([1, 4, 4, 2], tf.int32)), "dtype"),
     (dict(keep="relu"), "keep"),
+    (dict(implementation="cublas"), "implementation"),
 ])
 def test_python_api_raises_value_error_naming_the_argument(kwargs, name):
     args = dict(input=Z, ksize=2, strides=2, padding="VALID")

@@ -225,3 +225,21 @@ def test_negative_zero_follows_std_max(dtype):
     for keep in ("argmax", "input"):
         y, _ = fused_forward_and_grad(z, None, [1, 2], [1, 2], "VALID", "NHWC", keep)
         np.testing.assert_array_equal(np.signbit(y.numpy().astype(np.float64)).ravel(), [True, False])
+
+
+def test_gradient_op_inherits_the_implementation_attribute():
+    z = tf.random.normal([1, 4, 4, 2])
+
+    @tf.function
+    def f(x):
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            y = tf_relupool.relu_max_pool2d(x, 2, 2, "VALID", keep="input", implementation="cudnn")
+        return tape.gradient(y, x)
+
+    graph = f.get_concrete_function(z).graph
+    grads = [op for op in graph.get_operations() if op.type == "ReluMaxPoolGrad"]
+    assert grads and all(op.get_attr("implementation") == b"cudnn" for op in grads)
+    # On CPU the attribute changes nothing.
+    assert_bitwise_equal(f(z), stock_forward_and_grad(z, tf.ones([1, 2, 2, 2]), 2, 2, "VALID",
+                                                      "NHWC")[1], "gradient")

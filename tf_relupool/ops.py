@@ -10,6 +10,9 @@ KEEP_ARGMAX = "argmax"  # one code per pooled element (1 byte for windows of < 2
 KEEP_INPUT = "input"    # the pre-ReLU input z, from which the backward recomputes the argmax
 KEEP_CHOICES = (KEEP_ARGMAX, KEEP_INPUT)
 
+#: GPU kernels: the fused single-pass CUDA kernels, or the seed's ReLU buffer + cuDNN pooling.
+IMPLEMENTATION_CHOICES = ("fused", "cudnn")
+
 SUPPORTED_DTYPES = (tf.float16, tf.bfloat16, tf.float32, tf.float64)
 _ARGMAX_DTYPES = ((tf.uint8, 255), (tf.uint16, 65535), (tf.int32, 2**31 - 1))
 
@@ -41,7 +44,7 @@ def _window_attr(value, name, data_format):
     return [1] + spatial + [1] if data_format == "NHWC" else [1, 1] + spatial
 
 
-def _check_args(input, ksize, strides, padding, data_format, keep):
+def _check_args(input, ksize, strides, padding, data_format, keep, implementation="fused"):
     if not isinstance(data_format, str) or data_format.upper() not in ("NHWC", "NCHW"):
         raise ValueError(f"data_format must be 'NHWC' or 'NCHW', got {data_format!r}")
     data_format = data_format.upper()
@@ -49,6 +52,9 @@ def _check_args(input, ksize, strides, padding, data_format, keep):
         raise ValueError(f"padding must be 'VALID' or 'SAME', got {padding!r}")
     if keep not in KEEP_CHOICES:
         raise ValueError(f"keep must be one of {KEEP_CHOICES}, got {keep!r}")
+    if implementation not in IMPLEMENTATION_CHOICES:
+        raise ValueError(f"implementation must be one of {IMPLEMENTATION_CHOICES}, "
+                         f"got {implementation!r}")
     ksize = _window_attr(ksize, "ksize", data_format)
     strides = _window_attr(strides, "strides", data_format)
     if input.dtype not in SUPPORTED_DTYPES:
@@ -72,7 +78,8 @@ def argmax_dtype_for(input_shape, ksize, data_format="NHWC"):
     raise ValueError(f"ksize {ksize} gives windows of {h * w} positions, too many to encode")
 
 
-def relu_max_pool2d(input, ksize, strides, padding, data_format="NHWC", name=None, keep=KEEP_ARGMAX):
+def relu_max_pool2d(input, ksize, strides, padding, data_format="NHWC", name=None, keep=KEEP_ARGMAX,
+                    implementation="fused"):
     """Computes `tf.nn.max_pool2d(tf.nn.relu(input), ksize, strides, padding, data_format)`.
 
     Forward values and gradients are bitwise identical to the stock ops (on CPU), in one pass
@@ -88,6 +95,9 @@ def relu_max_pool2d(input, ksize, strides, padding, data_format="NHWC", name=Non
       keep: what the backward pass keeps. "argmax" (default): one code per pooled element
         (1 byte for windows of fewer than 255 positions), neither z nor relu(z). "input": the
         input z, from which the backward recomputes the argmax (SystemML's recomputation).
+      implementation: GPU kernels to run (the CPU kernels ignore it). "fused" (default): the
+        single-pass CUDA kernels. "cudnn": the seed's path, ReLU into a temporary buffer then
+        cuDNN pooling forward/backward (keep="input" only; the window-argmax ops are fused).
 
     Returns:
       The pooled tensor, of `input`'s dtype.
@@ -98,19 +108,20 @@ def relu_max_pool2d(input, ksize, strides, padding, data_format="NHWC", name=Non
     with tf.name_scope(name or "ReluMaxPool2d"):
         input = tf.convert_to_tensor(input, name="input")
         ksize, strides, padding, data_format = _check_args(input, ksize, strides, padding,
-                                                           data_format, keep)
+                                                           data_format, keep, implementation)
+        attrs = dict(ksize=ksize, strides=strides, padding=padding, data_format=data_format,
+                     implementation=implementation)
         lib = load_library()
         if keep == KEEP_INPUT:
-            return lib.relu_max_pool(input, ksize=ksize, strides=strides, padding=padding,
-                                     data_format=data_format)
+            return lib.relu_max_pool(input, **attrs)
         output, _ = lib.relu_max_pool_with_window_argmax(
-            input, ksize=ksize, strides=strides, padding=padding, data_format=data_format,
-            Targmax=argmax_dtype_for(input.shape, ksize, data_format))
+            input, Targmax=argmax_dtype_for(input.shape, ksize, data_format), **attrs)
         return output
 
 
 def _pool_attrs(op):
-    return {k: op.get_attr(k) for k in ("ksize", "strides", "padding", "data_format")}
+    return {k: op.get_attr(k)
+            for k in ("ksize", "strides", "padding", "data_format", "implementation")}
 
 
 @tf_ops.RegisterGradient("ReluMaxPool")
