@@ -171,11 +171,11 @@ def train_one(args, mode, tf):
     import tf_relupool
 
     keras.utils.set_random_seed(args.seed)  # same initial weights and batches for every mode
-    train, test, description = data_lib.load(args.data, args.batch_size, args.limit,
+    train, test, description, num_classes = data_lib.load(args.data, args.batch_size, args.limit,
                                              args.test_limit, args.seed)
     if args.steps_per_epoch:  # epochs of a fixed number of steps: never run out of data
         train = train.repeat()
-    model = models.build(args.model)
+    model = models.build(args.model, num_classes=num_classes)
     if mode == "off":
         tf_relupool.disable_recompute()
     else:

@@ -153,7 +153,7 @@ def _from_folder(tf, path, subset_classes, batch_size, shuffle, seed, limit):
 
 
 def load(source, batch_size, limit=None, test_limit=None, seed=0, synthetic_size=(2048, 512)):
-    """(train, test, description) for a checked --data value."""
+    """(train, test, description, number of classes) for a checked --data value."""
     import tensorflow as tf
     if source == "synthetic":
         n_train = limit or synthetic_size[0]
@@ -161,7 +161,7 @@ def load(source, batch_size, limit=None, test_limit=None, seed=0, synthetic_size
         x, y = synthetic(n_train + n_test, seed)
         return (_from_arrays(tf, x[:n_train], y[:n_train], batch_size, True, seed),
                 _from_arrays(tf, x[n_train:], y[n_train:], batch_size, False, seed),
-                f"synthetic CIFAR-shaped data ({n_train} train, {n_test} test images)")
+                f"synthetic CIFAR-shaped data ({n_train} train, {n_test} test images)", NUM_CLASSES)
     if source == "keras":
         import keras
         try:
@@ -174,7 +174,7 @@ def load(source, batch_size, limit=None, test_limit=None, seed=0, synthetic_size
         to_float = lambda a: a.astype("float32") / 255.0  # noqa: E731
         return (_from_arrays(tf, to_float(x), y.astype("int32"), batch_size, True, seed),
                 _from_arrays(tf, to_float(xt), yt.astype("int32"), batch_size, False, seed),
-                f"keras.datasets.cifar10 ({len(y)} train, {len(yt)} test images)")
+                f"keras.datasets.cifar10 ({len(y)} train, {len(yt)} test images)", NUM_CLASSES)
     root = extract_archive(source) if is_archive(source) else source
     layout, classes = check_folder(root)
     if layout == "split":
@@ -182,7 +182,7 @@ def load(source, batch_size, limit=None, test_limit=None, seed=0, synthetic_size
         train = _from_folder(tf, train_dir, classes, batch_size, True, seed, limit)
         test = _from_folder(tf, test_dir, classes, batch_size, False, seed, test_limit)
         return train, test, f"image folders {source} (train/ and test/, {len(classes)} " \
-                            f"classes{f', {limit} train images' if limit else ''})"
+                            f"classes{f', {limit} train images' if limit else ''})", len(classes)
     # One folder per class: every tenth image (in file order) is the test set.
     import keras
     folder = os.path.join(root, "train") if "train" in _class_dirs(root) else root
@@ -198,4 +198,5 @@ def load(source, batch_size, limit=None, test_limit=None, seed=0, synthetic_size
     to_float = lambda x, y: (tf.cast(x, tf.float32) / 255.0, y)  # noqa: E731
     return (train.batch(batch_size).map(to_float).prefetch(2),
             test.batch(batch_size).map(to_float).prefetch(2),
-            f"image folders {source} ({len(classes)} classes, every tenth image held out)")
+            f"image folders {source} ({len(classes)} classes, every tenth image held out)",
+            len(classes))
