@@ -103,10 +103,6 @@ def test_first_use_of_library_built_for_another_tensorflow(tmp_path):
     assert "built against TensorFlow 2.0.0" in msg and tf.__version__ in msg and "Rebuild" in msg
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "KNOWN BUG (tf_relupool/_loader.py): dlopen of a truncated ELF file kills the process with "
-    "SIGBUS (its segments extend past the end of the file) before any error can be raised; "
-    "_load should check the ELF program headers against the file size first"))
 def test_first_use_of_truncated_library(tmp_path):
     def truncate(d):
         lib = d / _loader.LIBRARY_FILE

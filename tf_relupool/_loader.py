@@ -4,6 +4,7 @@
 but a failure there is deferred: the OpLibraryError is raised at the first use of an op.
 """
 import os
+import struct
 import threading
 
 import tensorflow as tf
@@ -29,6 +30,32 @@ def _built_tf_version():
     except ImportError:
         return None
     return _build_info.TF_VERSION
+
+
+def _elf_problem(path):
+    """Why `path` is not a complete 64-bit little-endian ELF file, or None.
+
+    dlopen maps segments without checking that the file holds them, and a process that touches
+    a page past the end of a truncated file dies of SIGBUS before any error can be raised; so
+    the program and section header tables and every segment must lie inside the file.
+    """
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        header = f.read(64)
+        if len(header) < 64 or header[:4] != b"\x7fELF" or header[4] != 2 or header[5] != 1:
+            return "it is not a 64-bit little-endian ELF shared library"
+        phoff, shoff = struct.unpack_from("<QQ", header, 32)
+        phentsize, phnum, shentsize, shnum = struct.unpack_from("<HHHH", header, 54)
+        if phoff + phnum * phentsize > size or shoff + shnum * shentsize > size:
+            return f"it is truncated ({size} bytes)"
+        f.seek(phoff)
+        for _ in range(phnum):
+            entry = f.read(phentsize)
+            (offset,) = struct.unpack_from("<Q", entry, 8)   # p_offset
+            (filesz,) = struct.unpack_from("<Q", entry, 32)  # p_filesz
+            if offset + filesz > size:
+                return f"it is truncated ({size} bytes, a segment ends at byte {offset + filesz})"
+    return None
 
 
 def load_library():
@@ -57,6 +84,11 @@ def _load(path):
         raise OpLibraryError(
             f"tf_relupool's op library was built against TensorFlow {built}, but TensorFlow "
             f"{running} is running. Rebuild it with: {REBUILD_COMMAND}")
+    problem = _elf_problem(path)
+    if problem is not None:
+        raise OpLibraryError(
+            f"tf_relupool's op library {path} failed to load: {problem}. Rebuild it with: "
+            f"{REBUILD_COMMAND}")
     try:
         return tf.load_op_library(path)
     except (tf.errors.NotFoundError, tf.errors.InvalidArgumentError, OSError) as e:
