@@ -3,6 +3,7 @@
 
 #include "cc/kernels/relu_max_pool.h"
 #include "cc/ops/pool_attrs.h"
+#include "cc/ops/pool_op_base.h"
 #include "tensorflow/core/framework/op_kernel.h"
 #include "tensorflow/core/framework/register_types.h"
 #include "tensorflow/core/framework/tensor.h"
@@ -18,31 +19,6 @@ using tensorflow::OpKernelContext;
 using tensorflow::Tensor;
 using tensorflow::TensorShape;
 
-// TensorFlow's element types to the kernels' types of the same layout.
-template <typename T>
-struct KernelType {
-  using type = T;
-};
-template <>
-struct KernelType<Eigen::half> {
-  using type = Half;
-};
-template <>
-struct KernelType<Eigen::bfloat16> {
-  using type = BFloat16;
-};
-template <typename T>
-using K = typename KernelType<T>::type;
-
-template <typename T>
-const K<T>* In(const Tensor& t) {
-  return reinterpret_cast<const K<T>*>(t.flat<T>().data());
-}
-template <typename T>
-K<T>* Out(Tensor* t) {
-  return reinterpret_cast<K<T>*>(t->flat<T>().data());
-}
-
 // TensorFlow's intra-op thread pool.
 class IntraOpRunner : public ParallelRunner {
  public:
@@ -55,29 +31,6 @@ class IntraOpRunner : public ParallelRunner {
 
  private:
   tensorflow::thread::ThreadPool* pool_;
-};
-
-std::string ShapeStr(const TensorShape& s) { return s.DebugString(); }
-
-// Base: reads and checks the pooling attributes once, in the constructor.
-class PoolOpBase : public OpKernel {
- public:
-  explicit PoolOpBase(OpKernelConstruction* ctx) : OpKernel(ctx) {
-    OP_REQUIRES_OK(ctx, ReadPoolAttrs(ctx, &attrs_));
-  }
-
- protected:
-  // Params for `input`, and checks that `grad` (if given) has the pooled shape.
-  absl::Status Params(const TensorShape& input, const Tensor* grad, PoolParams* p) const {
-    TF_RETURN_IF_ERROR(MakePoolParams(attrs_, input, p));
-    if (grad != nullptr && grad->shape() != PooledShape(*p)) {
-      return absl::InvalidArgumentError("grad must have the pooled output's shape " +
-                                        ShapeStr(PooledShape(*p)) + " for input shape " +
-                                        ShapeStr(input) + ", got " + ShapeStr(grad->shape()));
-    }
-    return absl::OkStatus();
-  }
-  PoolAttrs attrs_;
 };
 
 template <typename T>
@@ -103,19 +56,13 @@ class ReluMaxPoolWithWindowArgmaxOp : public PoolOpBase {
     const Tensor& input = ctx->input(0);
     PoolParams p;
     OP_REQUIRES_OK(ctx, Params(input.shape(), nullptr, &p));
-    OP_REQUIRES_OK(ctx, ArgmaxTypeFits(p));
+    OP_REQUIRES_OK(ctx, ArgmaxTypeFits<C>(p));
     Tensor *output = nullptr, *argmax = nullptr;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, PooledShape(p), &output));
     OP_REQUIRES_OK(ctx, ctx->allocate_output(1, PooledShape(p), &argmax));
     if (output->NumElements() == 0) return;
     ReluMaxPoolForwardWithArgmaxCpu(p, In<T>(input), Out<T>(output), argmax->flat<C>().data(),
                                     IntraOpRunner(ctx));
-  }
-
-  static absl::Status ArgmaxTypeFits(const PoolParams& p) {
-    const std::string err =
-        CheckArgmaxType<C>(p, tensorflow::DataTypeString(tensorflow::DataTypeToEnum<C>::v()).c_str());
-    return err.empty() ? absl::OkStatus() : absl::InvalidArgumentError(err);
   }
 };
 
@@ -149,38 +96,18 @@ class ReluMaxPoolGradFromWindowArgmaxOp : public PoolOpBase {
  public:
   using PoolOpBase::PoolOpBase;
   void Compute(OpKernelContext* ctx) override {
-    const Tensor& shape_t = ctx->input(0);
+    TensorShape input_shape;
+    PoolParams p;
+    OP_REQUIRES_OK(ctx, (CompactGradParams<S, C>(ctx, &input_shape, &p)));
     const Tensor& grad = ctx->input(1);
     const Tensor& argmax = ctx->input(2);
-    OP_REQUIRES(ctx, shape_t.dims() == 1 && shape_t.NumElements() == 4,
-                absl::InvalidArgumentError("input_shape must be a 1-D tensor of 4 elements, got shape " +
-                                           ShapeStr(shape_t.shape())));
-    TensorShape input_shape;
-    const auto dims = shape_t.vec<S>();
-    const std::vector<int64_t> dims64(dims.data(), dims.data() + 4);
-    const absl::Status shape_ok = TensorShape::BuildTensorShape(dims64, &input_shape);
-    OP_REQUIRES(ctx, shape_ok.ok(),
-                absl::InvalidArgumentError("input_shape is not a valid shape: " +
-                                           std::string(shape_ok.message())));
-    PoolParams p;
-    OP_REQUIRES_OK(ctx, Params(input_shape, &grad, &p));
-    OP_REQUIRES(ctx, argmax.shape() == grad.shape(),
-                absl::InvalidArgumentError("window_argmax must have grad's shape " +
-                                           ShapeStr(grad.shape()) + ", got " + ShapeStr(argmax.shape())));
-    OP_REQUIRES_OK(ctx, ReluMaxPoolWithWindowArgmaxOp<T, C>::ArgmaxTypeFits(p));
     Tensor* input_grad = nullptr;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, input_shape, &input_grad));
     if (input_grad->NumElements() == 0) return;
     const IntraOpRunner runner(ctx);
     const C* codes = argmax.flat<C>().data();
     const int64_t bad = FindInvalidArgmaxCpu(p, codes, runner);
-    OP_REQUIRES(ctx, bad < 0,
-                absl::InvalidArgumentError(
-                    "window_argmax[" + std::to_string(bad) + "] = " +
-                    std::to_string(static_cast<int64_t>(bad >= 0 ? codes[bad] : 0)) +
-                    " is not a position inside its pooling window (nor the 'no gradient' code " +
-                    std::to_string(static_cast<int64_t>(ArgmaxSentinel<C>())) +
-                    "); window_argmax must come from ReluMaxPoolWithWindowArgmax with the same attributes"));
+    if (bad >= 0) return ctx->SetStatus(InvalidArgmaxError(bad, codes[bad]));
     ReluMaxPoolBackwardFromArgmaxCpu(p, In<T>(grad), codes, Out<T>(input_grad), runner);
   }
 };

@@ -31,6 +31,7 @@
 #include "cc/kernels/relu_max_pool.h"
 #include "cc/kernels/relu_max_pool_gpu.h"
 #include "cc/ops/pool_attrs.h"
+#include "cc/ops/pool_op_base.h"
 #include "tensorflow/core/framework/op_kernel.h"
 #include "tensorflow/core/framework/register_types.h"
 #include "tensorflow/core/framework/tensor.h"
@@ -46,30 +47,6 @@ using tensorflow::OpKernelConstruction;
 using tensorflow::OpKernelContext;
 using tensorflow::Tensor;
 using tensorflow::TensorShape;
-
-template <typename T>
-struct KernelType {
-  using type = T;
-};
-template <>
-struct KernelType<Eigen::half> {
-  using type = Half;
-};
-template <>
-struct KernelType<Eigen::bfloat16> {
-  using type = BFloat16;
-};
-template <typename T>
-using K = typename KernelType<T>::type;
-
-template <typename T>
-const K<T>* In(const Tensor& t) {
-  return reinterpret_cast<const K<T>*>(t.flat<T>().data());
-}
-template <typename T>
-K<T>* Out(Tensor* t) {
-  return reinterpret_cast<K<T>*>(t->flat<T>().data());
-}
 
 absl::Status CudaStatus(cudaError_t e, const char* op) {
   if (e == cudaSuccess) return absl::OkStatus();
@@ -120,29 +97,19 @@ absl::Status LockedCudnn(int device, std::unique_lock<std::mutex>* lock, cudnnHa
   return absl::OkStatus();
 }
 
-class GpuPoolOpBase : public OpKernel {
+// Adds the choice of implementation to the shared checks.
+class GpuPoolOpBase : public PoolOpBase {
  public:
-  explicit GpuPoolOpBase(OpKernelConstruction* ctx) : OpKernel(ctx) {
-    OP_REQUIRES_OK(ctx, ReadPoolAttrs(ctx, &attrs_));
+  explicit GpuPoolOpBase(OpKernelConstruction* ctx) : PoolOpBase(ctx) {
     std::string impl = "fused";
     if (ctx->HasAttr("implementation")) OP_REQUIRES_OK(ctx, ctx->GetAttr("implementation", &impl));
     use_cudnn_ = impl == "cudnn";
   }
 
  protected:
-  absl::Status Params(const TensorShape& input, const Tensor* grad, PoolParams* p) const {
-    TF_RETURN_IF_ERROR(MakePoolParams(attrs_, input, p));
-    if (grad != nullptr && grad->shape() != PooledShape(*p)) {
-      return absl::InvalidArgumentError("grad must have the pooled output's shape " +
-                                        PooledShape(*p).DebugString() + " for input shape " +
-                                        input.DebugString() + ", got " + grad->shape().DebugString());
-    }
-    return absl::OkStatus();
-  }
   // cuDNN only where it can express the geometry; elsewhere the fused kernels (same results).
   bool UseCudnn(const PoolParams& p) const { return use_cudnn_ && CudnnPathUnsupportedReason(p).empty(); }
 
-  PoolAttrs attrs_;
   bool use_cudnn_ = false;
 };
 
@@ -185,7 +152,7 @@ class ReluMaxPoolWithWindowArgmaxGpuOp : public GpuPoolOpBase {
     const Tensor& input = ctx->input(0);
     PoolParams p;
     OP_REQUIRES_OK(ctx, Params(input.shape(), nullptr, &p));
-    OP_REQUIRES_OK(ctx, ArgmaxTypeFits(p));
+    OP_REQUIRES_OK(ctx, ArgmaxTypeFits<C>(p));
     Tensor *output = nullptr, *argmax = nullptr;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, PooledShape(p), &output));
     OP_REQUIRES_OK(ctx, ctx->allocate_output(1, PooledShape(p), &argmax));
@@ -197,12 +164,6 @@ class ReluMaxPoolWithWindowArgmaxGpuOp : public GpuPoolOpBase {
     OP_REQUIRES_OK(ctx, CudaStatus(ReluMaxPoolForwardWithArgmaxGpu(p, In<T>(input), Out<T>(output),
                                                                    argmax->flat<C>().data(), stream),
                                    "ReluMaxPoolWithWindowArgmax"));
-  }
-
-  static absl::Status ArgmaxTypeFits(const PoolParams& p) {
-    const std::string err = CheckArgmaxType<C>(
-        p, tensorflow::DataTypeString(tensorflow::DataTypeToEnum<C>::v()).c_str());
-    return err.empty() ? absl::OkStatus() : absl::InvalidArgumentError(err);
   }
 };
 
@@ -250,26 +211,11 @@ class ReluMaxPoolGradFromWindowArgmaxGpuOp : public GpuPoolOpBase {
  public:
   using GpuPoolOpBase::GpuPoolOpBase;
   void Compute(OpKernelContext* ctx) override {
-    const Tensor& shape_t = ctx->input(0);  // host memory
+    TensorShape input_shape;  // input_shape is in host memory
+    PoolParams p;
+    OP_REQUIRES_OK(ctx, (CompactGradParams<S, C>(ctx, &input_shape, &p)));
     const Tensor& grad = ctx->input(1);
     const Tensor& argmax = ctx->input(2);
-    OP_REQUIRES(ctx, shape_t.dims() == 1 && shape_t.NumElements() == 4,
-                absl::InvalidArgumentError("input_shape must be a 1-D tensor of 4 elements, got shape " +
-                                           shape_t.shape().DebugString()));
-    TensorShape input_shape;
-    const auto dims = shape_t.vec<S>();
-    const std::vector<int64_t> dims64(dims.data(), dims.data() + 4);
-    const absl::Status shape_ok = TensorShape::BuildTensorShape(dims64, &input_shape);
-    OP_REQUIRES(ctx, shape_ok.ok(),
-                absl::InvalidArgumentError("input_shape is not a valid shape: " +
-                                           std::string(shape_ok.message())));
-    PoolParams p;
-    OP_REQUIRES_OK(ctx, Params(input_shape, &grad, &p));
-    OP_REQUIRES(ctx, argmax.shape() == grad.shape(),
-                absl::InvalidArgumentError("window_argmax must have grad's shape " +
-                                           grad.shape().DebugString() + ", got " +
-                                           argmax.shape().DebugString()));
-    OP_REQUIRES_OK(ctx, ReluMaxPoolWithWindowArgmaxGpuOp<T, C>::ArgmaxTypeFits(p));
     Tensor* input_grad = nullptr;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, input_shape, &input_grad));
     if (input_grad->NumElements() == 0) return;
@@ -295,11 +241,7 @@ class ReluMaxPoolGradFromWindowArgmaxGpuOp : public GpuPoolOpBase {
       C code = 0;
       OP_REQUIRES_OK(ctx, CudaStatus(cudaMemcpy(&code, codes + bad_host, sizeof(C), cudaMemcpyDeviceToHost),
                                      "ReluMaxPoolGradFromWindowArgmax (validation copy)"));
-      ctx->SetStatus(absl::InvalidArgumentError(
-          "window_argmax[" + std::to_string(bad_host) + "] = " + std::to_string(static_cast<int64_t>(code)) +
-          " is not a position inside its pooling window (nor the 'no gradient' code " +
-          std::to_string(static_cast<int64_t>(ArgmaxSentinel<C>())) +
-          "); window_argmax must come from ReluMaxPoolWithWindowArgmax with the same attributes"));
+      ctx->SetStatus(InvalidArgmaxError(static_cast<int64_t>(bad_host), code));
     }
   }
 };
