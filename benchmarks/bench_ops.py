@@ -40,7 +40,8 @@ def variants(ksize, strides, padding):
             with tf.GradientTape() as tape:
                 tape.watch(z)
                 y = fwd(z)
-            return tape.gradient(y, z, output_gradients=dy)
+            # Return y too: otherwise Grappler prunes a forward op the gradient does not read.
+            return y, tape.gradient(y, z, output_gradients=dy)
         return step
 
     return {
@@ -55,16 +56,19 @@ def variants(ksize, strides, padding):
 
 
 def time_variants(fns, z, dy, rounds, mode, warmup=2):
-    compiled = {name: tf.function(fn) if mode == "function" else fn for name, fn in fns.items()}
+    # The copy baseline always runs eagerly: Grappler would fold `z * 1` away inside a function.
+    compiled = {name: tf.function(fn) if mode == "function" and name != "copy" else fn
+                for name, fn in fns.items()}
     times = {name: [] for name in fns}
     for name, fn in compiled.items():
         for _ in range(warmup):
             fn(z, dy)  # trace and warm caches
     for _ in range(rounds):
         for name, fn in compiled.items():  # interleaved: machine noise hits all variants alike
+            # CPU ops run synchronously: the call returns when the result is computed. (No
+            # .numpy(): copying a 64 MiB result out would cost more than the ops themselves.)
             start = time.perf_counter()
-            out = fn(z, dy)
-            _ = out.numpy() if hasattr(out, "numpy") else out  # wait for the result
+            fn(z, dy)
             times[name].append(time.perf_counter() - start)
     return {name: statistics.median(t) * 1e3 for name, t in times.items()}
 
