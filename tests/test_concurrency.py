@@ -24,14 +24,20 @@ CASES = [
 ]
 
 
-def _all_results(lib, z, dy, k, s, pad, fmt):
-    """Every op's output for one case: the Python API in both modes and the raw ops."""
+def _api_results(z, dy, k, s, pad, fmt):
+    """The Python API's output and gradient in both backward modes."""
     out = []
     for keep in ("argmax", "input"):
         with tf.GradientTape() as tape:
             tape.watch(z)
             y = tf_relupool.relu_max_pool2d(z, k, s, pad, fmt, keep=keep)
         out += [y, tape.gradient(y, z, output_gradients=dy)]
+    return out
+
+
+def _all_results(lib, z, dy, k, s, pad, fmt):
+    """Every op's output for one case: the Python API in both modes and the raw ops."""
+    out = _api_results(z, dy, k, s, pad, fmt)
     k4 = tf_relupool.ops._window_attr(k, "ksize", fmt)
     s4 = tf_relupool.ops._window_attr(s, "strides", fmt)
     attrs = dict(ksize=k4, strides=s4, padding=pad, data_format=fmt)
@@ -59,7 +65,7 @@ def test_many_threads_on_shared_inputs_give_identical_results(lib, graph):
         dy = tf.constant(rng.normal(size=y_shape), dtype)
         fn = (lambda z, dy, a=(k, s, pad, fmt): _all_results(lib, z, dy, *a))
         if graph:
-            run = tf.function(lambda z, dy, a=(k, s, pad, fmt): _graph_results(lib, z, dy, *a))
+            run = tf.function(lambda z, dy, a=(k, s, pad, fmt): _api_results(z, dy, *a))
             fn = (lambda z, dy, run=run: [t.numpy() for t in run(z, dy)])
         cases.append((z, dy, fn, f"{shape} {k} {s} {pad} {fmt} {dtype.name}"))
     expected = [fn(z, dy) for z, dy, fn, _ in cases]  # one thread: the reference
@@ -84,16 +90,6 @@ def test_many_threads_on_shared_inputs_give_identical_results(lib, graph):
     for th in threads:
         th.join()
     assert not errors, errors[0]
-
-
-def _graph_results(lib, z, dy, k, s, pad, fmt):
-    out = []
-    for keep in ("argmax", "input"):
-        with tf.GradientTape() as tape:
-            tape.watch(z)
-            y = tf_relupool.relu_max_pool2d(z, k, s, pad, fmt, keep=keep)
-        out += [y, tape.gradient(y, z, output_gradients=dy)]
-    return out
 
 
 def test_first_load_from_many_threads_at_once(monkeypatch):
