@@ -81,9 +81,11 @@ TFRP_HD uint16_t FloatToBFloat16(float f) {
   return static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 }
 
-// ValueTraits<T>: the type arithmetic is done in (Acc), conversions, and the value stock MaxPool
-// starts every window from (what an all-NaN window yields): Eigen's NumTraits<T>::lowest(), the
-// lowest finite value for float/double but -Inf for half and bfloat16.
+// ValueTraits<T>: the type arithmetic is done in (Acc), conversions, and the value every window
+// starts from (what a window whose ReLU'd values are all NaN yields): the lowest finite value of T,
+// Eigen's NumTraits<T>::lowest(), for every T. That is what stock MaxPool's plain Eigen kernels
+// give for every dtype on every CPU; stock is itself machine-dependent for 16-bit types (-Inf from
+// some oneDNN and vectorised paths), so the fused ops define it once, the same on every device.
 template <typename T>
 struct ValueTraits;
 
@@ -108,7 +110,7 @@ struct ValueTraits<Half> {
   using Acc = float;
   static TFRP_HD float ToAcc(Half v) { return HalfToFloat(v.bits); }
   static TFRP_HD Half FromAcc(float v) { return Half{FloatToHalf(v)}; }
-  static TFRP_HD float Lowest() { return BitsToFloat(0xff800000u); }  // -Inf
+  static TFRP_HD float Lowest() { return -65504.0f; }  // lowest finite half, 0xfbff
   static constexpr const char* kName = "half";
 };
 template <>
@@ -116,7 +118,7 @@ struct ValueTraits<BFloat16> {
   using Acc = float;
   static TFRP_HD float ToAcc(BFloat16 v) { return BFloat16ToFloat(v.bits); }
   static TFRP_HD BFloat16 FromAcc(float v) { return BFloat16{FloatToBFloat16(v)}; }
-  static TFRP_HD float Lowest() { return BitsToFloat(0xff800000u); }  // -Inf
+  static TFRP_HD float Lowest() { return BitsToFloat(0xff7f0000u); }  // lowest finite, 0xff7f
   static constexpr const char* kName = "bfloat16";
 };
 

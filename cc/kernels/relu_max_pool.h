@@ -8,9 +8,10 @@
 //  - relu(v) = v < 0 ? +0 : v (std::max(v, 0)): -0 and NaN are kept. Stock Relu does exactly this
 //    for half/bfloat16; for float/double its vectorised path turns -0 into +0, so the only bits
 //    stock itself does not define are the sign of a zero output whose window starts with -0.
-//  - forward: every window starts from ValueTraits<T>::Lowest() (lowest finite float/double, -Inf
-//    for half/bfloat16) and takes r when `max < r`, scanning rows then columns; so NaN is skipped
-//    and an all-NaN window yields that start value.
+//  - forward: every window starts from ValueTraits<T>::Lowest() (the lowest finite value, for
+//    every T) and takes r when `max < r`, scanning rows then columns; so NaN is skipped and an
+//    all-NaN window yields that start value. (Stock gives -Inf there for half/bfloat16 on some
+//    machines: see numeric.h.)
 //  - gradient: the window's first in-bounds position is its argmax to begin with, later positions
 //    take over on `best < r`; dy is added (in output order, from +0) at the argmax; finally the sum
 //    is multiplied by (relu(z) > 0 ? 1 : 0), so dy routed to a non-positive or NaN z yields +-0
