@@ -100,6 +100,17 @@ gpu-sanitize: gpu-build
 	$(CUDA_BIN)compute-sanitizer --tool initcheck --error-exitcode 1 $(GPU_BIN) --small --no-cudnn
 	$(CUDA_BIN)compute-sanitizer --tool synccheck --error-exitcode 1 $(GPU_BIN) --small --no-cudnn
 
+# ---- GPU through TensorFlow: on the H200 with ../shared/tools/tf-gpu's trimmed TF 2.21 sourced ----
+# `make gpu-test` runs the whole suite with the GPU visible (tests/test_gpu.py holds the GPU-only
+# checks; it is skipped elsewhere), from tests/ so that the bundle's installed tf_relupool is
+# imported rather than the source tree. gpu_check/tf_gpu.sh wraps it with the op benchmark and the
+# memory report for one `run` call; gpu_check/README.md says how.
+GPU_PYTHON ?= python3
+GPU_TEST_ARGS ?=
+.PHONY: gpu-test
+gpu-test:
+	cd tests && $(GPU_PYTHON) -m pytest -q -p no:cacheprovider $(GPU_TEST_ARGS) .
+
 # ---- Bazel: the op library and the Python tests with Bazel 4.2 (Debian's bazel-bootstrap). ----
 # `make bazel-test` installs bazel-bootstrap with apt when no bazel is on PATH, sets up the venv,
 # builds //:relu_max_pool_ops against the venv's TensorFlow (CUDA kernels too when nvcc is found,

@@ -9,6 +9,11 @@ Markdown table.
 
     python benchmarks/bench_ops.py            # full table
     python benchmarks/bench_ops.py --quick    # one small shape, few rounds (make demo)
+    python benchmarks/bench_ops.py --device gpu   # on a GPU: NHWC and NCHW, tf.function
+
+On the GPU every variant is called `--iters` times back to back and the devices are synchronised
+before and after (`tf.test.experimental.sync_devices`), so a time is the device time per call
+including any host round trip an op forces.
 """
 import argparse
 import datetime
@@ -26,14 +31,16 @@ import tf_relupool
 
 FULL_SHAPES = [(256, 32, 32, 64), (64, 56, 56, 64), (64, 112, 112, 64)]
 QUICK_SHAPES = [(128, 16, 16, 128)]
+GPU_SHAPES = [(128, 112, 112, 64), (512, 32, 32, 64)]  # NHWC; NCHW is the same data transposed
 
 
-def variants(ksize, strides, padding):
+def variants(ksize, strides, padding, data_format="NHWC"):
     def stock_fwd(z):
-        return tf.nn.max_pool2d(tf.nn.relu(z), ksize, strides, padding)
+        return tf.nn.max_pool2d(tf.nn.relu(z), ksize, strides, padding, data_format=data_format)
 
     def fused_fwd(keep):
-        return lambda z: tf_relupool.relu_max_pool2d(z, ksize, strides, padding, keep=keep)
+        return lambda z: tf_relupool.relu_max_pool2d(z, ksize, strides, padding, data_format,
+                                                     keep=keep)
 
     def fwd_bwd(fwd):
         def step(z, dy):
@@ -53,6 +60,26 @@ def variants(ksize, strides, padding):
         "fwd+bwd fused keep=input": fwd_bwd(fused_fwd("input")),
         "fwd+bwd fused keep=argmax": fwd_bwd(fused_fwd("argmax")),
     }
+
+
+def time_variants_gpu(fns, z, dy, rounds, iters, warmup=2):
+    """Per variant and round: `iters` calls between two device synchronisations (tf.function)."""
+    sync = tf.test.experimental.sync_devices
+    compiled = {name: tf.function(fn) if name != "copy" else fn for name, fn in fns.items()}
+    times = {name: [] for name in fns}
+    for fn in compiled.values():
+        for _ in range(warmup):
+            fn(z, dy)
+    sync()
+    for _ in range(rounds):
+        for name, fn in compiled.items():
+            sync()
+            start = time.perf_counter()
+            for _ in range(iters):
+                fn(z, dy)
+            sync()
+            times[name].append((time.perf_counter() - start) / iters)
+    return {name: statistics.median(t) * 1e3 for name, t in times.items()}
 
 
 def time_variants(fns, z, dy, rounds, mode, warmup=2):
@@ -75,12 +102,14 @@ def time_variants(fns, z, dy, rounds, mode, warmup=2):
 
 def report_row(shape, dtype, mode, t):
     c = t["copy"]
-    cells = [f"{'x'.join(map(str, shape))}", dtype.name, mode, f"{c:.2f}", f"{t['fwd stock']:.2f}",
-             f"{t['fwd fused']:.2f} ({t['fwd fused'] / c:.2f})",
-             f"**{t['fwd stock'] / t['fwd fused']:.2f}x**", f"{t['fwd+bwd stock']:.2f}"]
+    digits = 3 if c < 1 else 2
+    f = lambda v: f"{v:.{digits}f}"  # noqa: E731
+    cells = [f"{'x'.join(map(str, shape))}", dtype.name, mode, f(c), f(t['fwd stock']),
+             f"{f(t['fwd fused'])} ({t['fwd fused'] / c:.2f})",
+             f"**{t['fwd stock'] / t['fwd fused']:.2f}x**", f(t['fwd+bwd stock'])]
     for keep in ("input", "argmax"):
         fused = t[f"fwd+bwd fused keep={keep}"]
-        cells += [f"{fused:.2f} ({fused / c:.2f})", f"**{t['fwd+bwd stock'] / fused:.2f}x**"]
+        cells += [f"{f(fused)} ({fused / c:.2f})", f"**{t['fwd+bwd stock'] / fused:.2f}x**"]
     print("| " + " | ".join(cells) + " |", flush=True)
 
 
@@ -90,7 +119,11 @@ def main():
     parser.add_argument("--rounds", type=int, default=None)
     parser.add_argument("--dtypes", default="float32,bfloat16")
     parser.add_argument("--modes", default=None, help="function,eager (default: both; quick: function)")
+    parser.add_argument("--device", choices=("cpu", "gpu"), default="cpu")
+    parser.add_argument("--iters", type=int, default=20, help="GPU: calls per timed round")
     args = parser.parse_args()
+    if args.device == "gpu":
+        return main_gpu(args)
     shapes = QUICK_SHAPES if args.quick else FULL_SHAPES
     rounds = args.rounds or (5 if args.quick else 15)
     dtypes = [tf.as_dtype(d) for d in args.dtypes.split(",")]
@@ -111,6 +144,36 @@ def main():
             dy = tf.constant(rng.normal(size=out_shape), dtype)
             for mode in modes:
                 report_row(shape, dtype, mode, time_variants(variants(2, 2, "VALID"), z, dy, rounds, mode))
+
+
+def main_gpu(args):
+    if not tf.config.list_physical_devices("GPU"):
+        raise SystemExit("--device gpu: TensorFlow sees no GPU")
+    rounds = args.rounds or 11
+    dtypes = [tf.as_dtype(d) for d in args.dtypes.split(",")]
+    name = tf.config.experimental.get_device_details(tf.config.list_physical_devices("GPU")[0])
+    print(f"# fused ReLU+max-pool vs stock TensorFlow {tf.__version__} on "
+          f"{name.get('device_name', 'GPU')}, 2x2 stride 2 VALID, tf.function")
+    print(f"# {datetime.date.today()}, median of {rounds} interleaved rounds of {args.iters} calls, "
+          "ms per call; (x copy) = multiple of one eager z * 1")
+    print()
+    print("| shape NHWC | dtype | format | copy z | fwd stock | fwd fused (x copy) | fwd speedup | "
+          "fwd+bwd stock | fwd+bwd fused, keep=input (x copy) | speedup | "
+          "fwd+bwd fused, keep=argmax (x copy) | speedup |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    rng = np.random.default_rng(0)
+    with tf.device("/GPU:0"):
+        for shape in GPU_SHAPES:
+            for dtype in dtypes:
+                out_shape = (shape[0], shape[1] // 2, shape[2] // 2, shape[3])
+                z_nhwc = tf.constant(rng.normal(size=shape), dtype)
+                dy_nhwc = tf.constant(rng.normal(size=out_shape), dtype)
+                for fmt in ("NHWC", "NCHW"):
+                    z, dy = z_nhwc, dy_nhwc
+                    if fmt == "NCHW":
+                        z, dy = tf.transpose(z, [0, 3, 1, 2]), tf.transpose(dy, [0, 3, 1, 2])
+                    t = time_variants_gpu(variants(2, 2, "VALID", fmt), z, dy, rounds, args.iters)
+                    report_row(shape, dtype, fmt, t)
 
 
 if __name__ == "__main__":

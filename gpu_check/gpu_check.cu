@@ -254,6 +254,17 @@ void CheckArgmaxOps(const PoolParams& p, const std::string& ctx, const std::vect
   int64_t found = 0;
   CUDA_OK(FindInvalidArgmaxGpu(p, codes_d.as<C>(), bad_d.p, &found, 0));
   ExpectEq("find_invalid(valid codes)", c2, found, -1);
+  // Second order from (valid) codes, z standing in for the input-shaped incoming gradient (it has
+  // the specials, so NaN/Inf * 0 and -0 are exercised); y_d receives the result.
+  std::vector<T> ddy_ref(nout);
+  if (nout > 0) ReluMaxPoolGradGradFromArgmaxCpu(p, z.data(), codes_ref.data(), ddy_ref.data(), kRunner);
+  Poison(y_d);
+  CUDA_OK(ReluMaxPoolGradGradFromArgmaxGpu(p, z_d.as<T>(), codes_d.as<C>(), y_d.as<T>(),
+                                           bad_d.as<unsigned long long>(), 0));
+  CUDA_OK(cudaDeviceSynchronize());
+  Expect("grad_grad_from_argmax", c2, Down<T>(y_d, nout), ddy_ref);
+  bad = Down<unsigned long long>(bad_d, 1)[0];
+  ExpectEq("grad_grad_from_argmax.validation(valid codes)", c2, bad == ~0ull ? -1 : (int64_t)bad, -1);
   if (nout == 0) return;
   // Plant invalid codes and compare the first bad index with the CPU's.
   std::vector<C> bad_codes = codes_ref;
@@ -276,6 +287,11 @@ void CheckArgmaxOps(const PoolParams& p, const std::string& ctx, const std::vect
   CUDA_OK(cudaDeviceSynchronize());
   bad = Down<unsigned long long>(bad_d, 1)[0];
   ExpectEq("backward_from_argmax.validation(planted)", c2, bad == ~0ull ? -1 : (int64_t)bad, want);
+  CUDA_OK(ReluMaxPoolGradGradFromArgmaxGpu(p, z_d.as<T>(), codes_d.as<C>(), y_d.as<T>(),
+                                           bad_d.as<unsigned long long>(), 0));
+  CUDA_OK(cudaDeviceSynchronize());
+  bad = Down<unsigned long long>(bad_d, 1)[0];
+  ExpectEq("grad_grad_from_argmax.validation(planted)", c2, bad == ~0ull ? -1 : (int64_t)bad, want);
 }
 
 template <typename T>

@@ -17,7 +17,7 @@ from tf_relupool import _build_info
 from tf_relupool._loader import library_path, load_library
 
 OPS = ("ReluMaxPool", "ReluMaxPoolGrad", "ReluMaxPoolWithWindowArgmax",
-       "ReluMaxPoolGradFromWindowArgmax")
+       "ReluMaxPoolGradFromWindowArgmax", "ReluMaxPoolGradGradFromWindowArgmax")
 DTYPES = (tf.float16, tf.bfloat16, tf.float32, tf.float64)
 
 needs_cuda = pytest.mark.skipif(

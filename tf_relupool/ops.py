@@ -129,11 +129,53 @@ def _relu_max_pool_grad(op, grad):
     return load_library().relu_max_pool_grad(op.inputs[0], grad, **_pool_attrs(op))
 
 
+# Codes that come straight from ReluMaxPoolWithWindowArgmax are valid by construction: the
+# gradient ops reading them skip the GPU's report of invalid codes (validate_window_argmax=False,
+# no host round trip per op; the kernels still bounds-check every code). Codes passed on from a
+# gradient op keep that op's setting.
+def _validate_attr(op):
+    return op.get_attr("validate_window_argmax")
+
+
 @tf_ops.RegisterGradient("ReluMaxPoolWithWindowArgmax")
 def _relu_max_pool_with_window_argmax_grad(op, grad, unused_argmax_grad):
     return load_library().relu_max_pool_grad_from_window_argmax(
-        tf.shape(op.inputs[0]), grad, op.outputs[1], **_pool_attrs(op))
+        tf.shape(op.inputs[0]), grad, op.outputs[1], validate_window_argmax=False,
+        **_pool_attrs(op))
 
 
-# Second derivatives are not implemented (the gradient ops have no registered gradient).
-tf_ops.NotDifferentiable("ReluMaxPoolGradFromWindowArgmax")
+# Higher-order gradients. Stock's backward is ReluGrad(MaxPoolGrad(r, y, dy), r) with r = relu(z);
+# its gradient with respect to dy is MaxPoolGradGrad(r, y, ReluGrad(ddz, r)) and with respect to r
+# and y zeros. The fused backward ops are linear in dy with the same routing, so their gradient
+# with respect to dy gathers ddz through the same window argmax, times the ReLU mask; with respect
+# to z (a piecewise-constant dependence) it is zero. None instead of zeros for z: stock adds its
+# zeros before ReluGrad, where they cannot change a bit; adding them to dz here could turn a -0
+# into +0.
+@tf_ops.RegisterGradient("ReluMaxPoolGradFromWindowArgmax")
+def _relu_max_pool_grad_from_window_argmax_grad(op, grad):
+    grad_of_dy = load_library().relu_max_pool_grad_grad_from_window_argmax(
+        grad, op.inputs[2], validate_window_argmax=_validate_attr(op), **_pool_attrs(op))
+    return None, grad_of_dy, None
+
+
+@tf_ops.RegisterGradient("ReluMaxPoolGrad")
+def _relu_max_pool_grad_grad(op, grad):
+    lib = load_library()
+    attrs = _pool_attrs(op)
+    z = op.inputs[0]
+    # The codes the first-order backward used, recomputed from z (only the argmax is needed).
+    data_format = attrs["data_format"]
+    data_format = data_format.decode() if isinstance(data_format, bytes) else data_format
+    _, codes = lib.relu_max_pool_with_window_argmax(
+        z, Targmax=argmax_dtype_for(z.shape, attrs["ksize"], data_format), **attrs)
+    return None, lib.relu_max_pool_grad_grad_from_window_argmax(
+        grad, codes, validate_window_argmax=False, **attrs)
+
+
+@tf_ops.RegisterGradient("ReluMaxPoolGradGradFromWindowArgmax")
+def _relu_max_pool_grad_grad_from_window_argmax_grad(op, grad):
+    # The op is linear in its `grad` input; its transpose is the first-order backward.
+    grad_input = op.inputs[0]
+    return load_library().relu_max_pool_grad_from_window_argmax(
+        tf.shape(grad_input), grad, op.inputs[1], validate_window_argmax=_validate_attr(op),
+        **_pool_attrs(op)), None

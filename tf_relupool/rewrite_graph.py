@@ -225,6 +225,8 @@ def rewrite_graph(graph_def, keep=None):
             bwd.input.extend([shape.name, dy, f"{pool.name}:1"] + controls)
             bwd.attr["Targmax"].type = fwd.attr["Targmax"].type
             bwd.attr["Tshape"].type = tf.int32.as_datatype_enum
+            # The codes come straight from the fused forward: valid by construction (ops.py).
+            bwd.attr["validate_window_argmax"].b = False
         else:
             bwd.op = "ReluMaxPoolGrad"
             bwd.input.extend([z, dy] + controls)

@@ -159,6 +159,15 @@ template <typename T, typename C>
 void ReluMaxPoolBackwardFromArgmaxCpu(const PoolParams& p, const T* dy, const C* argmax, T* dz,
                                       const ParallelRunner& runner);
 
+// Second order: the gradient of the backward with respect to its dy, for an incoming gradient
+// ddz of the input's shape: ddy[o] = ddz[argmax(o)] * (code(o) is a position ? 1 : 0), where a
+// sentinel code means the window's first in-bounds position (times zero). This is stock's
+// MaxPoolGradGrad(relu(z), y, ReluGrad(ddz, relu(z))) for every window without NaN; see
+// README "Higher-order gradients" for windows holding NaN. Codes must be validated first.
+template <typename T, typename C>
+void ReluMaxPoolGradGradFromArgmaxCpu(const PoolParams& p, const T* ddz, const C* argmax, T* ddy,
+                                      const ParallelRunner& runner);
+
 }  // namespace tf_relupool
 
 #endif  // TF_RELUPOOL_CC_KERNELS_RELU_MAX_POOL_H_

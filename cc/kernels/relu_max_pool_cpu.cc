@@ -575,6 +575,36 @@ void ReluMaxPoolBackwardFromArgmaxCpu(const PoolParams& p, const T* dy, const C*
   });
 }
 
+template <typename T, typename C>
+void ReluMaxPoolGradGradFromArgmaxCpu(const PoolParams& p, const T* ddz, const C* argmax, T* ddy,
+                                      const ParallelRunner& runner) {
+  const int64_t units = p.images * p.out_rows;
+  const int64_t row = p.out_cols * p.lanes;
+  const C sentinel = ArgmaxSentinel<C>();
+  // Input offset of each code from its window's first element, without a division per element.
+  std::vector<int64_t> offset(std::max<int64_t>(p.code_positions, 1));
+  for (int64_t c = 0; c < p.code_positions; ++c) {
+    offset[c] = ((c / p.code_pitch) * p.in_cols + c % p.code_pitch) * p.lanes;
+  }
+  runner.For(units, std::max<int64_t>(1, row) * kCyclesPerElement, [&](int64_t begin, int64_t end) {
+    for (int64_t u = begin; u < end; ++u) {
+      const int64_t img = u / p.out_rows, ph = u % p.out_rows;
+      const C* __restrict cp = argmax + u * row;
+      T* __restrict out = ddy + u * row;
+      for (int64_t pw = 0; pw < p.out_cols; ++pw) {
+        const ClippedWindow win = WindowOf(p, ph, pw);
+        const T* first = ddz + ((img * p.in_rows + win.row_begin) * p.in_cols + win.col_begin) * p.lanes;
+        for (int64_t l = 0; l < p.lanes; ++l) {
+          const C c = cp[pw * p.lanes + l];
+          const bool positive = c != sentinel;
+          const int64_t at = (positive ? offset[static_cast<int64_t>(c)] : 0) + l;
+          out[pw * p.lanes + l] = MaskAcc(first[at], positive);
+        }
+      }
+    }
+  });
+}
+
 #define TFRP_INSTANTIATE_T(T)                                                                     \
   template void ReluMaxPoolForwardCpu<T>(const PoolParams&, const T*, T*, const ParallelRunner&); \
   template void ReluMaxPoolBackwardFromInputCpu<T>(const PoolParams&, const T*, const T*, T*,     \
@@ -583,6 +613,8 @@ void ReluMaxPoolBackwardFromArgmaxCpu(const PoolParams& p, const T* dy, const C*
   template void ReluMaxPoolForwardWithArgmaxCpu<T, C>(const PoolParams&, const T*, T*, C*,      \
                                                       const ParallelRunner&);                   \
   template void ReluMaxPoolBackwardFromArgmaxCpu<T, C>(const PoolParams&, const T*, const C*, T*, \
+                                                       const ParallelRunner&);                 \
+  template void ReluMaxPoolGradGradFromArgmaxCpu<T, C>(const PoolParams&, const T*, const C*, T*, \
                                                        const ParallelRunner&);
 #define TFRP_INSTANTIATE_ALL_C(T) \
   TFRP_INSTANTIATE_T(T)           \

@@ -305,6 +305,37 @@ __global__ void __launch_bounds__(kThreads) FindInvalidKernel(const PoolParams p
   }
 }
 
+// One thread per pooled element: the CPU's ReluMaxPoolGradGradFromArgmax, validating each code
+// (an invalid one is recorded in first_bad and read as the sentinel, so nothing out of bounds).
+template <typename T, typename C>
+__global__ void __launch_bounds__(kThreads) GradGradKernel(const PoolParams p,
+                                                           const T* __restrict__ ddz,
+                                                           const C* __restrict__ codes,
+                                                           T* __restrict__ ddy,
+                                                           unsigned long long* first_bad,
+                                                           int64_t n) {
+  for (int64_t o = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; o < n;
+       o += int64_t{gridDim.x} * blockDim.x) {
+    const int64_t L = p.lanes;
+    const int64_t l = o % L;
+    int64_t t = o / L;
+    const int64_t pw = t % p.out_cols;
+    t /= p.out_cols;
+    const int64_t ph = t % p.out_rows;
+    const int64_t img = t / p.out_rows;
+    const ClippedWindow win = WindowOf(p, ph, pw);
+    const C c = codes[o];
+    Code code{static_cast<int64_t>(c), c == CodeTraits<C>::kSentinel};
+    if (!CodeValid(p, code, win)) {
+      if (first_bad != nullptr) atomicMin(first_bad, static_cast<unsigned long long>(o));
+      code.sentinel = true;
+    }
+    const int64_t r = win.row_begin + (code.sentinel ? 0 : code.value / p.code_pitch);
+    const int64_t q = win.col_begin + (code.sentinel ? 0 : code.value % p.code_pitch);
+    ddy[o] = MaskT(ddz[((img * p.in_rows + r) * p.in_cols + q) * L + l], !code.sentinel);
+  }
+}
+
 // ------------------------------------------------------------------------------------------------
 // Fast 2x2 / stride 2 kernels.
 
@@ -710,6 +741,22 @@ cudaError_t ReluMaxPoolBackwardFromArgmaxGpu(const PoolParams& p, const T* dy, c
   return Finish();
 }
 
+template <typename T, typename C>
+cudaError_t ReluMaxPoolGradGradFromArgmaxGpu(const PoolParams& p, const T* ddz, const C* argmax,
+                                             T* ddy, unsigned long long* first_bad,
+                                             cudaStream_t stream) {
+  cudaGetLastError();
+  if (first_bad != nullptr) {
+    const cudaError_t err = cudaMemsetAsync(first_bad, 0xff, sizeof(*first_bad), stream);
+    if (err != cudaSuccess) return err;
+  }
+  const int64_t n = p.out_elements();
+  if (n == 0) return cudaSuccess;
+  GradGradKernel<T, C><<<GridFor(n, kThreads), kThreads, 0, stream>>>(p, ddz, argmax, ddy,
+                                                                       first_bad, n);
+  return Finish();
+}
+
 template <typename C>
 cudaError_t FindInvalidArgmaxGpu(const PoolParams& p, const C* argmax, void* scratch,
                                  int64_t* result, cudaStream_t stream) {
@@ -739,6 +786,8 @@ cudaError_t FindInvalidArgmaxGpu(const PoolParams& p, const C* argmax, void* scr
   template cudaError_t ReluMaxPoolForwardWithArgmaxGpu<T, C>(const PoolParams&, const T*, T*, C*, \
                                                              cudaStream_t);                       \
   template cudaError_t ReluMaxPoolBackwardFromArgmaxGpu<T, C>(                                    \
+      const PoolParams&, const T*, const C*, T*, unsigned long long*, cudaStream_t);              \
+  template cudaError_t ReluMaxPoolGradGradFromArgmaxGpu<T, C>(                                    \
       const PoolParams&, const T*, const C*, T*, unsigned long long*, cudaStream_t);
 #define TFRP_GPU_INSTANTIATE_ALL_C(T) \
   TFRP_GPU_INSTANTIATE_T(T)           \

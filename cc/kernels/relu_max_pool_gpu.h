@@ -55,6 +55,14 @@ cudaError_t ReluMaxPoolBackwardFromArgmaxGpu(const PoolParams& p, const T* dy, c
                                              T* dz, unsigned long long* first_bad,
                                              cudaStream_t stream);
 
+// Second order (see ReluMaxPoolGradGradFromArgmaxCpu): ddy (pooled shape) from ddz (the input's
+// shape) and codes, validated on the fly exactly like ReluMaxPoolBackwardFromArgmaxGpu (first_bad
+// may be null; an invalid code is read as the sentinel, never out of bounds).
+template <typename T, typename C>
+cudaError_t ReluMaxPoolGradGradFromArgmaxGpu(const PoolParams& p, const T* ddz, const C* argmax,
+                                             T* ddy, unsigned long long* first_bad,
+                                             cudaStream_t stream);
+
 // Stand-alone validation: the smallest flat index of an invalid code, or -1, in *result (host).
 // `scratch` is 8 bytes of device memory. Waits for the stream.
 template <typename C>

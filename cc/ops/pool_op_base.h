@@ -51,10 +51,15 @@ absl::Status InvalidArgmaxError(int64_t index, C code) {
       "); window_argmax must come from ReluMaxPoolWithWindowArgmax with the same attributes");
 }
 
-class PoolOpBase : public tensorflow::OpKernel {
+// Kernel is tensorflow::OpKernel or tensorflow::AsyncOpKernel.
+template <class Kernel>
+class PoolChecks : public Kernel {
  public:
-  explicit PoolOpBase(tensorflow::OpKernelConstruction* ctx) : OpKernel(ctx) {
+  explicit PoolChecks(tensorflow::OpKernelConstruction* ctx) : Kernel(ctx) {
     OP_REQUIRES_OK(ctx, ReadPoolAttrs(ctx, &attrs_));
+    if (ctx->HasAttr("validate_window_argmax")) {
+      OP_REQUIRES_OK(ctx, ctx->GetAttr("validate_window_argmax", &validate_window_argmax_));
+    }
   }
 
  protected:
@@ -107,8 +112,27 @@ class PoolOpBase : public tensorflow::OpKernel {
     return ArgmaxTypeFits<C>(*p);
   }
 
+  // The inputs of ReluMaxPoolGradGradFromWindowArgmax (grad of the input's shape, window_argmax
+  // of type C and the pooled shape): checks them and gives the geometry.
+  template <typename C>
+  absl::Status GradGradParams(tensorflow::OpKernelContext* ctx, PoolParams* p) const {
+    const tensorflow::Tensor& grad = ctx->input(0);
+    const tensorflow::Tensor& argmax = ctx->input(1);
+    TF_RETURN_IF_ERROR(Params(grad.shape(), nullptr, p));
+    if (argmax.shape() != PooledShape(*p)) {
+      return absl::InvalidArgumentError("window_argmax must have the pooled shape " +
+                                        PooledShape(*p).DebugString() + " for grad of shape " +
+                                        grad.shape().DebugString() + ", got " +
+                                        argmax.shape().DebugString());
+    }
+    return ArgmaxTypeFits<C>(*p);
+  }
+
   PoolAttrs attrs_;
+  // Whether the GPU kernels report invalid codes (see REGISTER_OP); the CPU kernels always do.
+  bool validate_window_argmax_ = true;
 };
+using PoolOpBase = PoolChecks<tensorflow::OpKernel>;
 
 }  // namespace tf_relupool
 

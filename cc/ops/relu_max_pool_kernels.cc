@@ -112,6 +112,26 @@ class ReluMaxPoolGradFromWindowArgmaxOp : public PoolOpBase {
   }
 };
 
+template <typename T, typename C>
+class ReluMaxPoolGradGradFromWindowArgmaxOp : public PoolOpBase {
+ public:
+  using PoolOpBase::PoolOpBase;
+  void Compute(OpKernelContext* ctx) override {
+    PoolParams p;
+    OP_REQUIRES_OK(ctx, GradGradParams<C>(ctx, &p));
+    const Tensor& grad = ctx->input(0);
+    const Tensor& argmax = ctx->input(1);
+    Tensor* output = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, PooledShape(p), &output));
+    if (output->NumElements() == 0) return;
+    const IntraOpRunner runner(ctx);
+    const C* codes = argmax.flat<C>().data();
+    const int64_t bad = FindInvalidArgmaxCpu(p, codes, runner);
+    if (bad >= 0) return ctx->SetStatus(InvalidArgmaxError(bad, codes[bad]));
+    ReluMaxPoolGradGradFromArgmaxCpu(p, In<T>(grad), codes, Out<T>(output), runner);
+  }
+};
+
 #define REGISTER_ARGMAX_CPU(T, C)                                                         \
   REGISTER_KERNEL_BUILDER(Name("ReluMaxPoolWithWindowArgmax")                              \
                               .Device(DEVICE_CPU)                                          \
@@ -129,7 +149,12 @@ class ReluMaxPoolGradFromWindowArgmaxOp : public PoolOpBase {
                               .TypeConstraint<T>("T")                                      \
                               .TypeConstraint<C>("Targmax")                                \
                               .TypeConstraint<int64_t>("Tshape"),                          \
-                          ReluMaxPoolGradFromWindowArgmaxOp<T, C, int64_t>);
+                          ReluMaxPoolGradFromWindowArgmaxOp<T, C, int64_t>);               \
+  REGISTER_KERNEL_BUILDER(Name("ReluMaxPoolGradGradFromWindowArgmax")                      \
+                              .Device(DEVICE_CPU)                                          \
+                              .TypeConstraint<T>("T")                                      \
+                              .TypeConstraint<C>("Targmax"),                               \
+                          ReluMaxPoolGradGradFromWindowArgmaxOp<T, C>);
 
 #define REGISTER_CPU(T)                                                                          \
   REGISTER_KERNEL_BUILDER(Name("ReluMaxPool").Device(DEVICE_CPU).TypeConstraint<T>("T"),         \

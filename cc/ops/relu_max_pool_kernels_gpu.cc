@@ -35,6 +35,7 @@
 #include "tensorflow/core/framework/op_kernel.h"
 #include "tensorflow/core/framework/register_types.h"
 #include "tensorflow/core/framework/tensor.h"
+#include "tensorflow/core/platform/env.h"
 #include "xla/stream_executor/stream.h"
 #include "xla/stream_executor/stream_executor.h"
 
@@ -206,43 +207,131 @@ class ReluMaxPoolGradGpuOp : public GpuPoolOpBase {
   }
 };
 
-template <typename T, typename C, typename S>
-class ReluMaxPoolGradFromWindowArgmaxGpuOp : public GpuPoolOpBase {
+// Ops that read window-argmax codes. Their kernels check every code as they read it and leave
+// the smallest invalid flat index in device memory. With validate_window_argmax, that index is
+// copied to pinned host memory on the op's stream and a host function queued behind the copy
+// hands the verdict to a CPU thread, which sets the error (if any) and calls `done`: no thread
+// ever waits for the GPU (CUDA forbids CUDA calls inside host functions, hence the hand-off).
+// Without it the op is done as soon as its kernel is queued.
+class ArgmaxReadingGpuOp : public PoolChecks<tensorflow::AsyncOpKernel> {
  public:
-  using GpuPoolOpBase::GpuPoolOpBase;
-  void Compute(OpKernelContext* ctx) override {
+  using PoolChecks<tensorflow::AsyncOpKernel>::PoolChecks;
+
+ protected:
+  // launch(first_bad) queues the kernel; first_bad is null when nothing is to be reported.
+  template <typename C, typename Launch>
+  void LaunchAndReport(OpKernelContext* ctx, const Tensor& codes, const char* op, Launch launch,
+                       DoneCallback done) {
+    cudaStream_t stream;
+    int device;
+    OP_REQUIRES_OK_ASYNC(ctx, GpuStream(ctx, &stream, &device), done);
+    if (!validate_window_argmax_) {
+      OP_REQUIRES_OK_ASYNC(ctx, CudaStatus(launch(nullptr), op), done);
+      return done();
+    }
+    Tensor bad_dev, bad_host;
+    OP_REQUIRES_OK_ASYNC(ctx, ctx->allocate_temp(tensorflow::DT_UINT64, TensorShape({1}), &bad_dev),
+                         done);
+    tensorflow::AllocatorAttributes pinned;
+    pinned.set_on_host(true);
+    pinned.set_gpu_compatible(true);
+    OP_REQUIRES_OK_ASYNC(
+        ctx, ctx->allocate_temp(tensorflow::DT_UINT64, TensorShape({1}), &bad_host, pinned), done);
+    auto* bad = reinterpret_cast<unsigned long long*>(bad_dev.flat<tensorflow::uint64>().data());
+    auto* bad_h = reinterpret_cast<unsigned long long*>(bad_host.flat<tensorflow::uint64>().data());
+    OP_REQUIRES_OK_ASYNC(ctx, CudaStatus(launch(bad), op), done);
+    OP_REQUIRES_OK_ASYNC(ctx, CudaStatus(cudaMemcpyAsync(bad_h, bad, sizeof(*bad_h),
+                                                         cudaMemcpyDeviceToHost, stream), op),
+                         done);
+    // Tensors held until the verdict: the device buffers stay valid for the copy and the error
+    // message's read of the offending code.
+    struct Verdict {
+      OpKernelContext* ctx;
+      Tensor codes, bad_dev, bad_host;
+      int device;
+      const char* op;
+      DoneCallback done;
+    };
+    auto* verdict = new Verdict{ctx, codes, bad_dev, bad_host, device, op, std::move(done)};
+    const cudaError_t err = cudaLaunchHostFunc(
+        stream,
+        [](void* arg) {
+          tensorflow::Env::Default()->SchedClosure([v = static_cast<Verdict*>(arg)] {
+            const unsigned long long index =
+                *reinterpret_cast<const unsigned long long*>(v->bad_host.tensor_data().data());
+            if (index != ~0ull) {
+              C code = 0;
+              const cudaError_t e =
+                  cudaSetDevice(v->device) != cudaSuccess
+                      ? cudaGetLastError()
+                      : cudaMemcpy(&code, v->codes.template flat<C>().data() + index, sizeof(C),
+                                   cudaMemcpyDeviceToHost);
+              v->ctx->SetStatus(e == cudaSuccess ? InvalidArgmaxError(static_cast<int64_t>(index), code)
+                                                 : CudaStatus(e, v->op));
+            }
+            DoneCallback d = std::move(v->done);
+            delete v;
+            d();
+          });
+        },
+        verdict);
+    if (err != cudaSuccess) {
+      DoneCallback d = std::move(verdict->done);
+      delete verdict;
+      ctx->SetStatus(CudaStatus(err, op));
+      d();
+    }
+  }
+};
+
+template <typename T, typename C, typename S>
+class ReluMaxPoolGradFromWindowArgmaxGpuOp : public ArgmaxReadingGpuOp {
+ public:
+  using ArgmaxReadingGpuOp::ArgmaxReadingGpuOp;
+  void ComputeAsync(OpKernelContext* ctx, DoneCallback done) override {
     TensorShape input_shape;  // input_shape is in host memory
     PoolParams p;
-    OP_REQUIRES_OK(ctx, (CompactGradParams<S, C>(ctx, &input_shape, &p)));
+    OP_REQUIRES_OK_ASYNC(ctx, (CompactGradParams<S, C>(ctx, &input_shape, &p)), done);
     const Tensor& grad = ctx->input(1);
     const Tensor& argmax = ctx->input(2);
     Tensor* input_grad = nullptr;
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, input_shape, &input_grad));
-    if (input_grad->NumElements() == 0) return;
+    OP_REQUIRES_OK_ASYNC(ctx, ctx->allocate_output(0, input_shape, &input_grad), done);
+    if (input_grad->NumElements() == 0) return done();
     cudaStream_t stream;
     int device;
-    OP_REQUIRES_OK(ctx, GpuStream(ctx, &stream, &device));
-    // The backward kernel validates every code as it reads it (smallest invalid flat index into
-    // `bad`); the result is copied to the host and the op fails before anyone sees input_grad.
-    Tensor bad_t;
-    OP_REQUIRES_OK(ctx, ctx->allocate_temp(tensorflow::DT_UINT8, TensorShape({8}), &bad_t));
-    auto* bad = reinterpret_cast<unsigned long long*>(bad_t.flat<uint8_t>().data());
-    const C* codes = argmax.flat<C>().data();
-    OP_REQUIRES_OK(ctx, CudaStatus(ReluMaxPoolBackwardFromArgmaxGpu(p, In<T>(grad), codes,
-                                                                    Out<T>(input_grad), bad, stream),
-                                   "ReluMaxPoolGradFromWindowArgmax"));
-    unsigned long long bad_host = 0;
-    OP_REQUIRES_OK(ctx, CudaStatus(cudaMemcpyAsync(&bad_host, bad, sizeof(bad_host),
-                                                   cudaMemcpyDeviceToHost, stream),
-                                   "ReluMaxPoolGradFromWindowArgmax (validation copy)"));
-    OP_REQUIRES_OK(ctx, CudaStatus(cudaStreamSynchronize(stream),
-                                   "ReluMaxPoolGradFromWindowArgmax (validation)"));
-    if (bad_host != ~0ull) {
-      C code = 0;
-      OP_REQUIRES_OK(ctx, CudaStatus(cudaMemcpy(&code, codes + bad_host, sizeof(C), cudaMemcpyDeviceToHost),
-                                     "ReluMaxPoolGradFromWindowArgmax (validation copy)"));
-      ctx->SetStatus(InvalidArgmaxError(static_cast<int64_t>(bad_host), code));
-    }
+    OP_REQUIRES_OK_ASYNC(ctx, GpuStream(ctx, &stream, &device), done);
+    LaunchAndReport<C>(
+        ctx, argmax, "ReluMaxPoolGradFromWindowArgmax",
+        [&](unsigned long long* bad) {
+          return ReluMaxPoolBackwardFromArgmaxGpu(p, In<T>(grad), argmax.flat<C>().data(),
+                                                  Out<T>(input_grad), bad, stream);
+        },
+        std::move(done));
+  }
+};
+
+template <typename T, typename C>
+class ReluMaxPoolGradGradFromWindowArgmaxGpuOp : public ArgmaxReadingGpuOp {
+ public:
+  using ArgmaxReadingGpuOp::ArgmaxReadingGpuOp;
+  void ComputeAsync(OpKernelContext* ctx, DoneCallback done) override {
+    PoolParams p;
+    OP_REQUIRES_OK_ASYNC(ctx, GradGradParams<C>(ctx, &p), done);
+    const Tensor& grad = ctx->input(0);
+    const Tensor& argmax = ctx->input(1);
+    Tensor* output = nullptr;
+    OP_REQUIRES_OK_ASYNC(ctx, ctx->allocate_output(0, PooledShape(p), &output), done);
+    if (output->NumElements() == 0) return done();
+    cudaStream_t stream;
+    int device;
+    OP_REQUIRES_OK_ASYNC(ctx, GpuStream(ctx, &stream, &device), done);
+    LaunchAndReport<C>(
+        ctx, argmax, "ReluMaxPoolGradGradFromWindowArgmax",
+        [&](unsigned long long* bad) {
+          return ReluMaxPoolGradGradFromArgmaxGpu(p, In<T>(grad), argmax.flat<C>().data(),
+                                                  Out<T>(output), bad, stream);
+        },
+        std::move(done));
   }
 };
 
@@ -267,7 +356,12 @@ class ReluMaxPoolGradFromWindowArgmaxGpuOp : public GpuPoolOpBase {
                               .TypeConstraint<T>("T")                                   \
                               .TypeConstraint<C>("Targmax")                             \
                               .TypeConstraint<int64_t>("Tshape"),                       \
-                          ReluMaxPoolGradFromWindowArgmaxGpuOp<T, C, int64_t>);
+                          ReluMaxPoolGradFromWindowArgmaxGpuOp<T, C, int64_t>);         \
+  REGISTER_KERNEL_BUILDER(Name("ReluMaxPoolGradGradFromWindowArgmax")                   \
+                              .Device(DEVICE_GPU)                                       \
+                              .TypeConstraint<T>("T")                                   \
+                              .TypeConstraint<C>("Targmax"),                            \
+                          ReluMaxPoolGradGradFromWindowArgmaxGpuOp<T, C>);
 
 #define REGISTER_GPU(T)                                                                        \
   REGISTER_KERNEL_BUILDER(Name("ReluMaxPool").Device(DEVICE_GPU).TypeConstraint<T>("T"),       \

@@ -63,6 +63,17 @@ absl::Status GradFromArgmaxShape(InferenceContext* c) {
   return absl::OkStatus();
 }
 
+// ReluMaxPoolGradGradFromWindowArgmax: grad has the input's shape; the output and window_argmax
+// have the pooled shape.
+absl::Status GradGradFromArgmaxShape(InferenceContext* c) {
+  PoolAttrs attrs;
+  TF_RETURN_IF_ERROR(ReadPoolAttrs(c, &attrs));
+  ShapeHandle pooled;
+  TF_RETURN_IF_ERROR(PooledShapeOf(c, attrs, c->input(0), &pooled));
+  TF_RETURN_IF_ERROR(c->Merge(c->input(1), pooled, &pooled));
+  c->set_output(0, pooled);
+  return absl::OkStatus();
+}
 
 }  // namespace
 
@@ -70,6 +81,14 @@ absl::Status GradFromArgmaxShape(InferenceContext* c) {
 // 'cudnn' runs ReLU into a temporary buffer, then cuDNN pooling (the seed's path), for ReluMaxPool
 // and ReluMaxPoolGrad only; the window-argmax ops have no cuDNN equivalent and always run fused,
 // as does any geometry cuDNN's symmetric padding cannot express. CPU kernels ignore it.
+//
+// `validate_window_argmax` (ops reading codes): every kernel bounds-checks every code, so an
+// invalid code can never cause an out-of-bounds access. With true (default) an invalid code is
+// reported as InvalidArgumentError; the GPU kernels do it without blocking any thread (the op
+// completes when a host function queued behind the check has read the result). With false the
+// GPU kernels skip that report and the op completes at once, reading an invalid code as 'no
+// gradient': the registered gradients set it, because their codes come straight from
+// ReluMaxPoolWithWindowArgmax, which writes only valid ones. The CPU kernels always report.
 REGISTER_OP("ReluMaxPool")
     .Input("input: T")
     .Output("output: T")
@@ -125,7 +144,28 @@ REGISTER_OP("ReluMaxPoolGradFromWindowArgmax")
     .Attr("padding: {'SAME', 'VALID'}")
     .Attr("data_format: {'NHWC', 'NCHW'} = 'NHWC'")
     .Attr("implementation: {'fused', 'cudnn'} = 'fused'")  // GPU only, see above
+    .Attr("validate_window_argmax: bool = true")          // GPU only, see above
     .SetShapeFn(GradFromArgmaxShape)
     .Doc(R"doc(Gradient of ReluMaxPoolWithWindowArgmax from grad and window_argmax alone.)doc");
+
+// Second order, for both gradient ops: their gradient with respect to their `grad` input.
+REGISTER_OP("ReluMaxPoolGradGradFromWindowArgmax")
+    .Input("grad: T")
+    .Input("window_argmax: Targmax")
+    .Output("output: T")
+    .Attr("T: {half, bfloat16, float, double}")
+    .Attr("Targmax: {uint8, uint16, int32} = DT_UINT8")
+    .Attr("ksize: list(int)")
+    .Attr("strides: list(int)")
+    .Attr("padding: {'SAME', 'VALID'}")
+    .Attr("data_format: {'NHWC', 'NCHW'} = 'NHWC'")
+    .Attr("implementation: {'fused', 'cudnn'} = 'fused'")  // ignored: always the fused kernels
+    .Attr("validate_window_argmax: bool = true")          // GPU only, see above
+    .SetShapeFn(GradGradFromArgmaxShape)
+    .Doc(R"doc(Gradient of ReluMaxPoolGradFromWindowArgmax (and of ReluMaxPoolGrad) with respect
+to their pooled `grad` input: for a gradient `grad` of the input's shape, output[o] = grad[p] * m,
+where p is the position window_argmax[o] names (m = 1) or, for the 'no gradient' code, the
+window's first in-bounds position (m = 0). Bitwise equal to
+MaxPoolGradGrad(relu(x), y, ReluGrad(grad, relu(x))) for windows without NaN.)doc");
 
 }  // namespace tf_relupool

@@ -1,0 +1,37 @@
+#!/bin/bash
+# One `run` call on the H200 after the bundle's four pieces are in /tmp/tfparts (see
+# ../shared/tools/tf-gpu/README.md): sources the trimmed TensorFlow, then runs STEPS (default
+# "test bench"), each writing under $OUT:
+#   test     make gpu-test: the whole suite with the GPU visible    -> gpu_test.txt
+#   bench    benchmarks/bench_ops.py --device gpu: op speed vs stock -> bench_gpu.md
+#   memory   benchmarks/memory_report.py on the GPU (MEMORY_ARGS)   -> gpu_memory.md
+#   harness  make gpu-check (TensorFlow-free kernel checks + table)  -> gpu_check.txt
+# Run from the project root with .tfgpu/common and .tfgpu/pkg carried.
+set -o pipefail
+ROOT=$(pwd)
+OUT=${OUT:-$ROOT/gpu_check/out}
+mkdir -p "$OUT"
+source .tfgpu/common/setup_tf.sh || { echo "setup_tf.sh failed"; exit 1; }
+nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv > "$OUT/nvidia-smi.txt" 2>&1
+rc=0
+for step in ${STEPS:-test bench}; do
+  echo "== $step $(date +%T)"
+  case $step in
+    test)
+      timeout ${TEST_TIMEOUT:-420} make --no-print-directory gpu-test GPU_TEST_ARGS="${GPU_TEST_ARGS:--x -n 8}" \
+        > "$OUT/gpu_test.txt" 2>&1 || rc=1
+      tail -25 "$OUT/gpu_test.txt" ;;
+    bench)
+      (cd /tmp && timeout ${BENCH_TIMEOUT:-300} python3 "$ROOT/benchmarks/bench_ops.py" --device gpu $BENCH_ARGS) \
+        > "$OUT/bench_gpu.md" 2>"$OUT/bench_gpu.err" || { rc=1; tail -20 "$OUT/bench_gpu.err"; }
+      cat "$OUT/bench_gpu.md" ;;
+    memory)
+      (cd /tmp && timeout ${MEMORY_TIMEOUT:-360} python3 "$ROOT/benchmarks/memory_report.py" $MEMORY_ARGS) \
+        > "$OUT/gpu_memory.txt" 2>&1 || rc=1
+      tail -40 "$OUT/gpu_memory.txt" ;;
+    harness)
+      make --no-print-directory gpu-check GPU_ARCH="-gencode arch=compute_90,code=sm_90" > "$OUT/gpu_check.txt" 2>&1 || rc=1
+      grep -E "CHECKS|FAIL|^\|" "$OUT/gpu_check.txt" | tail -30 ;;
+  esac
+done
+exit $rc

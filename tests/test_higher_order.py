@@ -1,0 +1,241 @@
+"""Second- and third-order gradients of the fused ops, bitwise against stock TensorFlow on CPU.
+
+Stock differentiates its backward: MaxPoolGrad -> MaxPoolGradGrad (gathers by value: the first
+window position equal to the pooled output) and ReluGrad -> ReluGrad. The fused backward ops
+gather through the window argmax instead; the two agree on every window without NaN, which is
+compared bitwise with stock here. Windows holding NaN are checked against the written definition
+(README "Higher-order gradients"), computed independently in NumPy.
+"""
+import numpy as np
+import pytest
+import tensorflow as tf
+from hypothesis import given, settings
+
+import tf_relupool
+from conftest import DTYPES, assert_bitwise_equal, from_nhwc, pool_cases, to_nhwc
+
+KEEPS = ["argmax", "input"]
+
+
+def _spatial(value, data_format):
+    if isinstance(value, int):
+        return [value, value]
+    if len(value) == 2:
+        return list(value)
+    return list(value[1:3]) if data_format == "NHWC" else list(value[2:4])
+
+
+def _stock_fn(ksize, strides, padding, data_format):
+    """Stock max_pool2d(relu(z)) in `data_format` (NCHW through exact transposes: stock CPU
+    pooling is NHWC-only without oneDNN)."""
+    k, s = _spatial(ksize, data_format), _spatial(strides, data_format)
+    return lambda z: from_nhwc(tf.nn.max_pool2d(tf.nn.relu(to_nhwc(z, data_format)), k, s, padding),
+                               data_format)
+
+
+def _fused_fn(ksize, strides, padding, data_format, keep):
+    return lambda z: tf_relupool.relu_max_pool2d(z, ksize, strides, padding, data_format, keep=keep)
+
+
+def _derivatives(f, z, dy, ddz, g):
+    """dz = J^T dy; ddy = d<dz, ddz>/d dy (second order); dddz = d<ddy, g>/d ddz (third order)."""
+    with tf.GradientTape() as t3:
+        t3.watch(ddz)
+        with tf.GradientTape() as t2:
+            t2.watch(dy)
+            with tf.GradientTape() as t1:
+                t1.watch(z)
+                y = f(z)
+            dz = t1.gradient(y, z, output_gradients=dy)
+        ddy = t2.gradient(dz, dy, output_gradients=ddz)
+    dddz = t3.gradient(ddy, ddz, output_gradients=g)
+    return y, dz, ddy, dddz
+
+
+def _window_has_nan(z, ksize, strides, padding, data_format):
+    nan = tf.cast(tf.math.is_nan(tf.cast(z, tf.float64)), tf.float32)
+    k, s = _spatial(ksize, data_format), _spatial(strides, data_format)
+    pooled = from_nhwc(tf.nn.max_pool2d(to_nhwc(nan, data_format), k, s, padding), data_format)
+    return pooled.numpy() > 0
+
+
+def _definition_grad_grad(z, ddz, ksize, strides, padding, data_format):
+    """README's definition, in NumPy: scan the window row-major from the lowest value, a position
+    takes over when `max < relu(v)`; if the first position is NaN or the maximum is not positive,
+    ddy = ddz[first in-bounds position] * 0, else ddy = ddz[argmax] * 1."""
+    zz = np.asarray(to_nhwc(tf.cast(z, tf.float64), data_format))
+    dd = np.asarray(to_nhwc(tf.cast(ddz, tf.float64), data_format))
+    n, h, w, c = zz.shape
+    (kh, kw), (sh, sw) = _spatial(ksize, data_format), _spatial(strides, data_format)
+    if padding == "VALID":
+        oh, ow, pt, pl = (h - kh) // sh + 1, (w - kw) // sw + 1, 0, 0
+    else:
+        oh, ow = -(-h // sh), -(-w // sw)
+        pt = max((oh - 1) * sh + kh - h, 0) // 2
+        pl = max((ow - 1) * sw + kw - w, 0) // 2
+    out = np.zeros([n, oh, ow, c])
+    for b, i, j, ch in np.ndindex(n, oh, ow, c):
+        rows = range(max(i * sh - pt, 0), min(i * sh - pt + kh, h))
+        cols = range(max(j * sw - pl, 0), min(j * sw - pl + kw, w))
+        best, pos = -np.inf, (rows[0], cols[0])
+        for r in rows:
+            for q in cols:
+                v = zz[b, r, q, ch]
+                v = 0.0 if v < 0 else v
+                if best < v:
+                    best, pos = v, (r, q)
+        first_nan = np.isnan(zz[b, rows[0], cols[0], ch])
+        keep = best > 0 and not first_nan
+        r, q = pos if keep else (rows[0], cols[0])
+        out[b, i, j, ch] = dd[b, r, q, ch] * (1.0 if keep else 0.0)
+    return from_nhwc(tf.constant(out), data_format)
+
+
+def _check_case(case, keep):
+    dtype = case["dtype"]
+    z = tf.constant(case["z"], dtype=dtype)
+    args = (case["ksize"], case["strides"], case["padding"], case["data_format"])
+    rows, cols = (1, 2) if case["data_format"] == "NHWC" else (2, 3)
+    k = _spatial(case["ksize"], case["data_format"])
+    if case["padding"] == "VALID" and (k[0] > z.shape[rows] or k[1] > z.shape[cols]):
+        return  # empty result: stock cannot run it (tests/test_ops.py checks ours)
+    rng = np.random.default_rng(case["rng_seed"] + 7)
+    y_shape = _stock_fn(*args)(z).shape
+    dy = tf.constant(rng.normal(size=y_shape), dtype)
+    ddz = tf.constant(rng.integers(-3, 4, size=z.shape) + rng.normal(size=z.shape) * 0.5, dtype)
+    g = tf.constant(rng.normal(size=y_shape), dtype)
+    _, _, ddy_s, dddz_s = _derivatives(_stock_fn(*args), z, dy, ddz, g)
+    _, _, ddy_f, dddz_f = _derivatives(_fused_fn(*args, keep), z, dy, ddz, g)
+    assert ddy_f.dtype == dtype and ddy_f.shape == y_shape
+    nan_window = _window_has_nan(z, *args)
+    expected = np.where(nan_window, tf.cast(_definition_grad_grad(z, ddz, *args), dtype).numpy(),
+                        ddy_s.numpy())
+    assert_bitwise_equal(ddy_f, expected, "second order (stock; NaN windows: the definition)")
+    assert_bitwise_equal(dddz_f, dddz_s, "third order")
+
+
+@pytest.mark.parametrize("keep", KEEPS)
+@given(case=pool_cases())
+def test_second_and_third_order_bitwise_equal_to_stock(case, keep):
+    _check_case(case, keep)
+
+
+def test_nan_windows_follow_the_definition_not_stock():
+    """The one documented difference: a window whose first value is NaN and whose maximum is
+    positive. Stock's MaxPoolGradGrad gathers at the maximum (by value); the first-order backward,
+    stock's included, routes to the NaN (times zero), and so does the fused second order."""
+    z = tf.constant([[np.nan, 2.0], [1.0, -1.0]], tf.float32)[None, :, :, None]
+    dy = tf.ones([1, 1, 1, 1])
+    ddz = tf.constant([[5.0, 7.0], [11.0, 13.0]])[None, :, :, None]
+    g = tf.ones([1, 1, 1, 1])
+    _, _, ddy_s, _ = _derivatives(_stock_fn(2, 2, "VALID", "NHWC"), z, dy, ddz, g)
+    assert ddy_s.numpy().ravel().tolist() == [7.0]  # stock: ddz at the maximum, 2.0
+    for keep in KEEPS:
+        _, dz, ddy, _ = _derivatives(_fused_fn(2, 2, "VALID", "NHWC", keep), z, dy, ddz, g)
+        assert ddy.numpy().ravel().tolist() == [0.0]  # ddz[first] * 0
+        assert not np.any(dz.numpy())  # first order: routed to the NaN, times zero (as stock)
+
+
+def test_gradient_with_respect_to_z_is_unconnected_and_zero():
+    """Stock's gradient of its backward with respect to z is zero; the fused ops return None
+    (nothing is added, so a -0 elsewhere stays -0) and unconnected_gradients='zero' gives zeros."""
+    z = tf.constant(np.random.default_rng(1).normal(size=[1, 4, 4, 2]), tf.float32)
+    for keep in KEEPS:
+        with tf.GradientTape(persistent=True) as t2:
+            t2.watch(z)
+            with tf.GradientTape() as t1:
+                t1.watch(z)
+                y = tf_relupool.relu_max_pool2d(z, 2, 2, "VALID", keep=keep)
+            dz = t1.gradient(y, z)
+        assert t2.gradient(dz, z) is None
+        zeros = t2.gradient(dz, z, unconnected_gradients="zero")
+        assert zeros.shape == z.shape and not np.any(zeros.numpy())
+
+
+# ---- Small models: conv + pool, gradient penalty, Hessian-vector products, tf.hessians ----
+
+def _model_inputs(dtype, seed=0):
+    """Small integers: the convolution's outputs tie and are often <= 0."""
+    rng = np.random.default_rng(seed)
+    x = tf.constant(rng.integers(-2, 3, size=[2, 9, 8, 2]), dtype)
+    w = tf.Variable(tf.constant(rng.integers(-1, 2, size=[2, 2, 2, 3]), dtype))
+    v = tf.constant(rng.normal(size=w.shape) * 0.5, dtype)
+    return x, w, v
+
+
+def _model(x, w, pool, data_format):
+    """conv (NHWC) -> relu+maxpool in `data_format` -> a smooth head; out has one value per image."""
+    h = tf.nn.conv2d(x, w, 1, "VALID")
+    p = to_nhwc(pool(from_nhwc(h, data_format)), data_format)
+    return tf.reduce_sum(tf.tanh(p) * tf.cast(tf.range(1, p.shape[-1] + 1), p.dtype), axis=[1, 2, 3])
+
+
+def _pools(window, data_format, keep):
+    k, s, pad = window
+    return (_stock_fn(k, s, pad, data_format), _fused_fn(k, s, pad, data_format, keep))
+
+
+WINDOWS = {"disjoint": (2, 2, "VALID"), "overlapping": (3, 2, "SAME")}
+
+
+def _model_params():
+    return [pytest.param(d, f, k, wn, id=f"{d.name}-{f}-{k}-{wn}")
+            for d in DTYPES for f in ("NHWC", "NCHW") for k in KEEPS for wn in WINDOWS]
+
+
+@pytest.mark.parametrize("dtype, data_format, keep, window", _model_params())
+def test_gradient_penalty_and_hessian_vector_product(dtype, data_format, keep, window):
+    """WGAN-GP style: d/dw of sum((d out / d x)^2) through conv + pool; and a Hessian-vector
+    product of the plain loss by forward-over-backward (tf.autodiff.ForwardAccumulator)."""
+    x, w, v = _model_inputs(dtype)
+    results = []
+    for pool in _pools(WINDOWS[window], data_format, keep):
+        with tf.GradientTape() as outer:
+            with tf.GradientTape() as inner:
+                inner.watch(x)
+                out = _model(x, w, pool, data_format)
+            dx = inner.gradient(out, x)
+            penalty = tf.reduce_sum(tf.square(dx))
+        gp = outer.gradient(penalty, w)
+        with tf.autodiff.ForwardAccumulator(primals=w, tangents=v) as acc:
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_sum(tf.square(_model(x, w, pool, data_format)))
+            grad = tape.gradient(loss, w)
+        results.append((gp, acc.jvp(grad)))
+    (gp_s, hvp_s), (gp_f, hvp_f) = results
+    assert np.any(gp_s.numpy()) and np.any(hvp_s.numpy())  # the case exercises second order
+    assert_bitwise_equal(gp_f, gp_s, "gradient penalty")
+    assert_bitwise_equal(hvp_f, hvp_s, "Hessian-vector product")
+
+
+@pytest.mark.parametrize("keep", KEEPS)
+@pytest.mark.parametrize("data_format", ["NHWC", "NCHW"])
+@pytest.mark.parametrize("dtype", [tf.float32, tf.float64], ids=lambda d: d.name)
+def test_tf_hessians_of_a_small_model(dtype, data_format, keep):
+    x, w, _ = _model_inputs(dtype, seed=3)
+    hessians = []
+    for pool in _pools(WINDOWS["overlapping"], data_format, keep):
+        @tf.function
+        def hessian(w0):
+            return tf.hessians(tf.reduce_sum(tf.square(_model(x, w0, pool, data_format))), w0)[0]
+        hessians.append(hessian(tf.convert_to_tensor(w)))
+    assert np.any(hessians[0].numpy())
+    assert_bitwise_equal(hessians[1], hessians[0], "tf.hessians")
+
+
+def test_grad_grad_op_rejects_bad_input(lib):
+    grad = tf.zeros([1, 4, 4, 1])
+    attrs = dict(ksize=[1, 2, 2, 1], strides=[1, 2, 2, 1], padding="VALID")
+    good = tf.zeros([1, 2, 2, 1], tf.uint8)
+    out = lib.relu_max_pool_grad_grad_from_window_argmax(grad, good, **attrs)
+    assert out.shape == [1, 2, 2, 1]
+    with pytest.raises(tf.errors.InvalidArgumentError, match="window_argmax must have the pooled"):
+        lib.relu_max_pool_grad_grad_from_window_argmax(grad, tf.zeros([1, 3, 2, 1], tf.uint8), **attrs)
+    with pytest.raises(tf.errors.InvalidArgumentError, match=r"window_argmax\[2\] = 4"):
+        lib.relu_max_pool_grad_grad_from_window_argmax(
+            grad, tf.constant([0, 3, 4, 255], tf.uint8, shape=[1, 2, 2, 1]), **attrs)
+    with pytest.raises(tf.errors.InvalidArgumentError, match="ksize"):
+        lib.relu_max_pool_grad_grad_from_window_argmax(
+            grad, good, ksize=[1, 0, 2, 1], strides=[1, 2, 2, 1], padding="VALID")
+    with pytest.raises(tf.errors.InvalidArgumentError, match="input"):
+        lib.relu_max_pool_grad_grad_from_window_argmax(tf.zeros([4, 4, 1]), good, **attrs)
