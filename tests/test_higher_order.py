@@ -234,6 +234,12 @@ def test_grad_grad_op_rejects_bad_input(lib):
     with pytest.raises(tf.errors.InvalidArgumentError, match=r"window_argmax\[2\] = 4"):
         lib.relu_max_pool_grad_grad_from_window_argmax(
             grad, tf.constant([0, 3, 4, 255], tf.uint8, shape=[1, 2, 2, 1]), **attrs)
+    with tf.device("/CPU:0"):  # the CPU kernels report invalid codes whatever the attribute says
+        for op, args in ((lib.relu_max_pool_grad_grad_from_window_argmax, (grad,)),
+                         (lib.relu_max_pool_grad_from_window_argmax, ([1, 4, 4, 1], tf.ones([1, 2, 2, 1])))):
+            with pytest.raises(tf.errors.InvalidArgumentError, match=r"window_argmax\[1\] = 7"):
+                op(*args, tf.constant([0, 7, 1, 255], tf.uint8, shape=[1, 2, 2, 1]),
+                   validate_window_argmax=False, **attrs)
     with pytest.raises(tf.errors.InvalidArgumentError, match="ksize"):
         lib.relu_max_pool_grad_grad_from_window_argmax(
             grad, good, ksize=[1, 0, 2, 1], strides=[1, 2, 2, 1], padding="VALID")

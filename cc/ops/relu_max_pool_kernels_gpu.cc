@@ -36,6 +36,7 @@
 #include "tensorflow/core/framework/register_types.h"
 #include "tensorflow/core/framework/tensor.h"
 #include "tensorflow/core/platform/env.h"
+#include "tensorflow/core/platform/threadpool.h"
 #include "xla/stream_executor/stream.h"
 #include "xla/stream_executor/stream_executor.h"
 
@@ -207,6 +208,14 @@ class ReluMaxPoolGradGpuOp : public GpuPoolOpBase {
   }
 };
 
+// Where verdicts on window-argmax codes run (a host function may not call CUDA, so it hands the
+// verdict over): a small pool of the library's own, instead of a new thread per verdict.
+tensorflow::thread::ThreadPool* VerdictThreads() {
+  static auto* pool = new tensorflow::thread::ThreadPool(tensorflow::Env::Default(),
+                                                         "tf_relupool_argmax_verdict", 2);
+  return pool;
+}
+
 // Ops that read window-argmax codes. Their kernels check every code as they read it and leave
 // the smallest invalid flat index in device memory. With validate_window_argmax, that index is
 // copied to pinned host memory on the op's stream and a host function queued behind the copy
@@ -256,7 +265,7 @@ class ArgmaxReadingGpuOp : public PoolChecks<tensorflow::AsyncOpKernel> {
     const cudaError_t err = cudaLaunchHostFunc(
         stream,
         [](void* arg) {
-          tensorflow::Env::Default()->SchedClosure([v = static_cast<Verdict*>(arg)] {
+          VerdictThreads()->Schedule([v = static_cast<Verdict*>(arg)] {
             const unsigned long long index =
                 *reinterpret_cast<const unsigned long long*>(v->bad_host.tensor_data().data());
             if (index != ~0ull) {
