@@ -50,21 +50,100 @@ def from_nhwc(x, data_format):
     return x if data_format == "NHWC" else tf.transpose(x, [0, 3, 1, 2])
 
 
-def stock_forward_and_grad(z, dy, ksize, strides, padding, data_format):
+def _spatial_pair(value, data_format):
+    """(rows, cols) of a window/stride argument in any form tf.nn.max_pool2d accepts."""
+    if isinstance(value, (int, np.integer)):
+        return int(value), int(value)
+    value = [int(v) for v in value]
+    if len(value) == 1:
+        return value[0], value[0]
+    if len(value) == 2:
+        return value[0], value[1]
+    return tuple(value[1:3]) if data_format == "NHWC" else tuple(value[2:4])
+
+
+def window_bounds(size, k, s, padding):
+    """First and last + 1 input index of each pooling window along one axis, clipped to the input
+    (TensorFlow's VALID/SAME output sizes and SAME padding before = total // 2)."""
+    if padding == "VALID":
+        out, before = max(0, -(-(size - k + 1) // s)), 0
+    else:
+        out = -(-size // s)
+        before = max((out - 1) * s + k - size, 0) // 2
+    start = np.arange(out, dtype=np.int64) * s - before
+    return np.clip(start, 0, size), np.clip(start + k, 0, size)
+
+
+def all_nan_windows(z, ksize, strides, padding, data_format):
+    """Mask over the pooled output (in data_format's layout): True where every in-bounds value of
+    the window is NaN, i.e. where relu(z) holds nothing but NaN. Computed in numpy from window
+    counts (a summed-area table), independently of TensorFlow's pooling."""
+    z = np.asarray(z.numpy() if hasattr(z, "numpy") else z)
+    if data_format == "NCHW":
+        z = z.transpose(0, 2, 3, 1)
+    (kh, kw), (sh, sw) = _spatial_pair(ksize, data_format), _spatial_pair(strides, data_format)
+    n, h, w, c = z.shape
+    r0, r1 = window_bounds(h, kh, sh, padding)
+    c0, c1 = window_bounds(w, kw, sw, padding)
+    table = np.zeros([n, h + 1, w + 1, c], np.int64)
+    table[:, 1:, 1:] = (~np.isnan(z.astype(np.float64))).cumsum(1).cumsum(2)
+    numbers = (table[:, r1[:, None], c1[None, :]] - table[:, r0[:, None], c1[None, :]]
+               - table[:, r1[:, None], c0[None, :]] + table[:, r0[:, None], c0[None, :]])
+    sizes = ((r1 - r0)[:, None] * (c1 - c0)[None, :])[None, :, :, None]
+    mask = (numbers == 0) & (sizes > 0)
+    return mask if data_format == "NHWC" else mask.transpose(0, 3, 1, 2)
+
+
+def defined_pool_output(y_stock, z, ksize, strides, padding, data_format):
+    """Stock's max_pool2d(relu(z)) with its one machine-dependent value replaced by tf_relupool's
+    definition; every other element is stock's, unchanged (a numpy array of y_stock's dtype).
+
+    A window whose ReLU'd values are all NaN keeps its start value. tf_relupool defines that as
+    the dtype's lowest finite value for every dtype. Stock float32/float64 give that everywhere;
+    stock float16/bfloat16 give the lowest finite value on some machines (its Eigen kernels, e.g.
+    TF_ENABLE_ONEDNN_OPTS=0) and -Inf on others (oneDNN: bfloat16 on AVX-512 AMD EPYC, both on an
+    AVX-512 Intel Xeon). So for 16-bit dtypes this asserts that stock gave one of those two there
+    and substitutes the lowest finite value; anything else stock gives there fails.
+    """
+    y = np.array(y_stock.numpy() if hasattr(y_stock, "numpy") else y_stock)
+    if y.dtype.itemsize != 2 or y.size == 0:
+        return y
+    mask = all_nan_windows(z, ksize, strides, padding, data_format)
+    assert mask.shape == y.shape, f"window mask {mask.shape} vs pooled output {y.shape}"
+    lowest = np.array(tf.as_dtype(y.dtype).min, y.dtype)
+    allowed = {int(lowest.view(np.uint16)), int(np.array(-np.inf, y.dtype).view(np.uint16))}
+    u = y.view(np.uint16)
+    unexpected = sorted({int(v) for v in u[mask]} - allowed)
+    assert not unexpected, (
+        f"stock {y.dtype} pooled an all-NaN window to bits {[hex(v) for v in unexpected]}, "
+        f"neither -Inf nor the lowest finite value {lowest!r}")
+    # Any window holding a non-NaN value pools to >= -0, never to those two: this catches a mask
+    # that misses an all-NaN window, on every machine.
+    assert not np.isin(u[~mask], list(allowed)).any(), "all-NaN window outside the mask"
+    y[mask] = lowest
+    return y
+
+
+def stock_forward_and_grad(z, dy, ksize, strides, padding, data_format, defined=True):
     """tf.nn.max_pool2d(tf.nn.relu(z)) and its gradient for dy, in eager mode.
 
-    Stock CPU pooling supports only NHWC, so NCHW goes through transposes (which move values
-    without changing them).
+    Stock CPU pooling supports only NHWC (without oneDNN), so NCHW goes through transposes (which
+    move values without changing them). With `defined` (the default), the forward values of
+    all-NaN windows, where stock differs between machines, are checked to be one of stock's
+    values and replaced by the definition (defined_pool_output); the gradient is stock's.
     """
+    ksize4, strides4 = ksize, strides
     if data_format == "NCHW":
         # 4-entry NCHW windows/strides in NHWC order for the transposed stock call.
-        ksize, strides = [[v[0], v[2], v[3], v[1]] if isinstance(v, list) and len(v) == 4 else v
-                          for v in (ksize, strides)]
+        ksize4, strides4 = [[v[0], v[2], v[3], v[1]] if isinstance(v, list) and len(v) == 4 else v
+                            for v in (ksize, strides)]
     with tf.GradientTape() as tape:
         tape.watch(z)
-        y = from_nhwc(tf.nn.max_pool2d(tf.nn.relu(to_nhwc(z, data_format)), ksize, strides, padding,
-                                       data_format="NHWC"), data_format)
+        y = from_nhwc(tf.nn.max_pool2d(tf.nn.relu(to_nhwc(z, data_format)), ksize4, strides4,
+                                       padding, data_format="NHWC"), data_format)
     dz = tape.gradient(y, z, output_gradients=dy) if dy is not None else None
+    if defined:
+        y = tf.constant(defined_pool_output(y, z, ksize, strides, padding, data_format), y.dtype)
     return y, dz
 
 

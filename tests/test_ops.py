@@ -2,12 +2,13 @@
 import numpy as np
 import pytest
 import tensorflow as tf
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 import tf_relupool
-from conftest import (DTYPES, assert_bitwise_equal, fused_forward_and_grad, make_dy, pool_cases,
-                      stock_forward_and_grad)
+from conftest import (DTYPES, all_nan_windows, assert_bitwise_equal, bits,
+                      fused_forward_and_grad, make_dy, pool_cases, stock_forward_and_grad,
+                      to_nhwc)
 
 
 def _spatial(value, data_format):
@@ -71,6 +72,60 @@ def test_resnet_stem_pool_3x3_stride_2_same(keep, dtype):
     # The case must really exercise accumulation: some element gets dy from several windows.
     counts = tf.nn.max_pool_with_argmax(tf.nn.relu(tf.cast(z, tf.float32)), 3, 2, "SAME")[1]
     assert np.bincount(counts.numpy().ravel()).max() > 1
+
+
+def _nhwc_pair(value, data_format):
+    """A ksize/strides argument of pool_cases in a form for an NHWC call."""
+    if isinstance(value, list) and len(value) == 4 and data_format == "NCHW":
+        return [1, value[2], value[3], 1]
+    return value
+
+
+@given(case=pool_cases())
+def test_all_nan_window_mask_matches_stock_pooling_of_a_nan_indicator(case):
+    """conftest.all_nan_windows (numpy window counts) against stock pooling of 'is not NaN'."""
+    z = case["z"]
+    fmt = case["data_format"]
+    nhwc = to_nhwc(tf.constant(z), fmt)
+    k, s = _nhwc_pair(case["ksize"], fmt), _nhwc_pair(case["strides"], fmt)
+    kh, kw = _spatial(case["ksize"], fmt)
+    assume(case["padding"] == "SAME" or (kh <= nhwc.shape[1] and kw <= nhwc.shape[2]))
+    indicator = tf.cast(~tf.math.is_nan(nhwc), tf.float32)
+    want = tf.nn.max_pool2d(indicator, k, s, case["padding"]).numpy() == 0
+    got = to_nhwc(tf.constant(all_nan_windows(z, case["ksize"], case["strides"], case["padding"],
+                                              fmt)), fmt).numpy()
+    np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("keep", ["argmax", "input"])
+@pytest.mark.parametrize("data_format", ["NHWC", "NCHW"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: d.name)
+def test_all_nan_window_yields_the_lowest_finite_value(keep, data_format, dtype):
+    """A window whose ReLU'd values are all NaN pools to the dtype's lowest finite value, for
+    every dtype. Stock float16/bfloat16 give that or -Inf depending on the machine (checked to be
+    one of the two by stock_forward_and_grad); everything else, and the gradient, is stock's."""
+    rng = np.random.default_rng(9)
+    z = rng.integers(-2, 3, size=[2, 7, 6, 3]).astype(np.float64)
+    # 3x3 stride 2 SAME on 7x6: the first window covers padding row -1 and rows 0-1, columns 0-2.
+    z[0, 0:2, 0:3, 0] = np.nan
+    z[0, 3:6, 2:5, 2] = np.nan      # an inner window (1, 1) and NaNs shared with its neighbours
+    z[1, :, :, 1] = np.nan          # a whole channel
+    z[1, 2, 4, 2] = np.nan          # a lone NaN among numbers: not an all-NaN window
+    if data_format == "NCHW":
+        z = z.transpose(0, 3, 1, 2)
+    z = tf.constant(z, dtype)
+    mask = all_nan_windows(z, 3, 2, "SAME", data_format)
+    m = to_nhwc(tf.constant(mask), data_format).numpy()
+    assert m[0, 0, 0, 0] and m[0, 2, 1, 2] and m[1, :, :, 1].all() and m.sum() == 2 + 12
+    y_stock, _ = stock_forward_and_grad(z, None, 3, 2, "SAME", data_format)
+    dy = tf.constant(rng.normal(size=y_stock.shape), dtype)
+    y_stock, dz_stock = stock_forward_and_grad(z, dy, 3, 2, "SAME", data_format)
+    y, dz = fused_forward_and_grad(z, dy, 3, 2, "SAME", data_format, keep)
+    lowest_bits = bits(np.array([dtype.min], dtype.as_numpy_dtype))[0][0]
+    assert np.all(bits(y)[0][mask] == lowest_bits)
+    assert not np.isnan(y.numpy().astype(np.float64)).any()
+    assert_bitwise_equal(y, y_stock, "forward")
+    assert_bitwise_equal(dz, dz_stock, "gradient")
 
 
 @pytest.mark.parametrize("keep", ["argmax", "input"])

@@ -122,20 +122,26 @@ def test_resnet_stem_channels_first_and_mixed_precision(data_format, policy):
     keras.mixed_precision.set_global_policy(policy)
     try:
         keras.utils.set_random_seed(5)
-        shape = (16, 16, 3) if data_format == "channels_last" else (3, 16, 16)
-        inp = keras.Input(shape)
-        x = L.Conv2D(4, 3, padding="same", use_bias=False, data_format=data_format)(inp)
+        inp = keras.Input((16, 16, 3))
+        # The convolution stays channels_last: without oneDNN (TF_ENABLE_ONEDNN_OPTS=0, or CPUs
+        # without AVX-512) stock TF has no NCHW Conv2D on the CPU. A Permute makes the rest of
+        # the stem channels_first, so both models run on every CPU.
+        x = L.Conv2D(4, 3, padding="same", use_bias=False)(inp)
+        stem = ["Conv2D"]
+        if data_format == "channels_first":
+            x = L.Permute((3, 1, 2))(x)
+            stem.append("Permute")
         x = L.BatchNormalization(axis=-1 if data_format == "channels_last" else 1)(x)
         x = L.ReLU()(x)
-        x = L.MaxPooling2D(3, 2, padding="same", data_format=data_format)(x)
+        x = L.MaxPooling2D(3, 2, padding="same", data_format=data_format, name="pool")(x)
         model = keras.Model(inp, L.Dense(2, dtype="float32")(L.Flatten()(x)))
         new = tf_relupool.rewrite_model(model, keep="argmax")
-        assert kinds(new) == ["InputLayer", "Conv2D", "BatchNormalization", "ReluMaxPool2D",
+        assert kinds(new) == ["InputLayer", *stem, "BatchNormalization", "ReluMaxPool2D",
                               "Flatten", "Dense"]
-        assert new.layers[3].data_format == data_format
-        assert new.layers[3].compute_dtype == model.layers[4].compute_dtype
-        x = X if data_format == "channels_last" else X.transpose(0, 3, 1, 2)
-        assert_same_outputs(model, new, x)
+        fused = new.get_layer("pool")
+        assert isinstance(fused, ReluMaxPool2D) and fused.data_format == data_format
+        assert fused.compute_dtype == model.get_layer("pool").compute_dtype
+        assert_same_outputs(model, new)
         assert_weights_copied(model, new)
     finally:
         keras.mixed_precision.set_global_policy("float32")
@@ -192,7 +198,21 @@ def graph_ops(graph_def):
     return [n.op for n in graph_def.node]
 
 
-def conv_pool_step(ksize, strides, padding, data_format="NHWC", extra_consumer=False):
+def conv_pool_step(ksize, strides, padding, data_format="NHWC", extra_consumer=False,
+                   pool_in_nhwc=False):
+    """A training step: NHWC conv, ReLU and max pooling in data_format, loss and its gradient.
+
+    With pool_in_nhwc, NCHW pooling runs as stock NHWC pooling between transposes, which give
+    the same values: the reference for NCHW, since without oneDNN (TF_ENABLE_ONEDNN_OPTS=0, or
+    CPUs without AVX-512) stock TF has no NCHW MaxPool on the CPU. The convolution is NHWC in
+    every variant, so the compared graphs compute it identically.
+    """
+    def pool(r):
+        if data_format == "NCHW" and pool_in_nhwc:
+            y = tf.nn.max_pool2d(tf.transpose(r, [0, 2, 3, 1]), ksize, strides, padding)
+            return tf.transpose(y, [0, 3, 1, 2])
+        return tf.nn.max_pool2d(r, ksize, strides, padding, data_format=data_format)
+
     @tf.function
     def step(x):
         with tf.GradientTape() as tape:
@@ -200,7 +220,7 @@ def conv_pool_step(ksize, strides, padding, data_format="NHWC", extra_consumer=F
             if data_format == "NCHW":
                 z = tf.transpose(z, [0, 3, 1, 2])
             r = tf.nn.relu(z)
-            y = tf.nn.max_pool2d(r, ksize, strides, padding, data_format=data_format)
+            y = pool(r)
             loss = tf.reduce_sum(y * y)
             if extra_consumer:
                 loss += tf.reduce_sum(r)
@@ -216,15 +236,20 @@ def test_rewrite_function_with_gradient_is_bitwise_equal(ksize, strides, padding
                                                           keep):
     cf = conv_pool_step(ksize, strides, padding, data_format)
     fused = tf_relupool.rewrite_function(cf, keep=keep)
-    ops = graph_ops(fused.graph.as_graph_def())
+    gd = fused.graph.as_graph_def()
+    ops = graph_ops(gd)
+    formats = {n.attr["data_format"].s.decode() for n in gd.node if n.op.startswith("ReluMaxPool")}
+    assert formats == {data_format}
     assert "Relu" not in ops and "MaxPool" not in ops
     assert "MaxPoolGrad" not in ops and "ReluGrad" not in ops
     if keep == "argmax":
         assert {"ReluMaxPoolWithWindowArgmax", "ReluMaxPoolGradFromWindowArgmax"} <= set(ops)
     else:
         assert {"ReluMaxPool", "ReluMaxPoolGrad"} <= set(ops)
+    # The fused graph has no stock NCHW op left; the stock reference pools in NHWC.
+    reference = conv_pool_step(ksize, strides, padding, data_format, pool_in_nhwc=True)
     x = tf.random.stateless_normal([2, 9, 9, 3], seed=[ksize, strides])
-    for got, want in zip(fused(x), cf(x)):
+    for got, want in zip(fused(x), reference(x)):
         np.testing.assert_array_equal(got.numpy(), want.numpy())
 
 
