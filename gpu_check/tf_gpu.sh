@@ -6,6 +6,7 @@
 #   bench    benchmarks/bench_ops.py --device gpu: op speed vs stock -> bench_gpu.md
 #   memory   benchmarks/memory_report.py on the GPU (MEMORY_ARGS)   -> gpu_memory.md
 #   harness  make gpu-check (TensorFlow-free kernel checks + table)  -> gpu_check.txt
+#   sanitize make gpu-sanitize (compute-sanitizer, small sizes)     -> gpu_sanitize.txt
 # Run from the project root with .tfgpu/common and .tfgpu/pkg carried.
 set -o pipefail
 ROOT=$(pwd)
@@ -32,6 +33,9 @@ for step in ${STEPS:-test bench}; do
     harness)
       make --no-print-directory gpu-check GPU_ARCH="-gencode arch=compute_90,code=sm_90" > "$OUT/gpu_check.txt" 2>&1 || rc=1
       grep -E "CHECKS|FAIL|^\|" "$OUT/gpu_check.txt" | tail -30 ;;
+    sanitize)
+      make --no-print-directory gpu-sanitize GPU_ARCH="-gencode arch=compute_90,code=sm_90" > "$OUT/gpu_sanitize.txt" 2>&1 || rc=1
+      grep -E "ERROR SUMMARY|RACECHECK SUMMARY|CHECKS|rror" "$OUT/gpu_sanitize.txt" | tail -12 ;;
   esac
 done
 exit $rc

@@ -127,6 +127,9 @@ def defined_pool_output(y_stock, z, ksize, strides, padding, data_format):
 def stock_forward_and_grad(z, dy, ksize, strides, padding, data_format, defined=True):
     """tf.nn.max_pool2d(tf.nn.relu(z)) and its gradient for dy, in eager mode.
 
+    Stock runs on the CPU even where a GPU is visible: stock's CPU kernels are the definition
+    (stock's GPU pooling differs in NaN, -0 and tie handling and summation order), while the fused
+    op under test runs on the default device (the GPU kernels must equal the CPU kernels).
     Stock CPU pooling supports only NHWC (without oneDNN), so NCHW goes through transposes (which
     move values without changing them). With `defined` (the default), the forward values of
     all-NaN windows, where stock differs between machines, are checked to be one of stock's
@@ -137,11 +140,12 @@ def stock_forward_and_grad(z, dy, ksize, strides, padding, data_format, defined=
         # 4-entry NCHW windows/strides in NHWC order for the transposed stock call.
         ksize4, strides4 = [[v[0], v[2], v[3], v[1]] if isinstance(v, list) and len(v) == 4 else v
                             for v in (ksize, strides)]
-    with tf.GradientTape() as tape:
-        tape.watch(z)
-        y = from_nhwc(tf.nn.max_pool2d(tf.nn.relu(to_nhwc(z, data_format)), ksize4, strides4,
-                                       padding, data_format="NHWC"), data_format)
-    dz = tape.gradient(y, z, output_gradients=dy) if dy is not None else None
+    with tf.device("/CPU:0"):
+        with tf.GradientTape() as tape:
+            tape.watch(z)
+            y = from_nhwc(tf.nn.max_pool2d(tf.nn.relu(to_nhwc(z, data_format)), ksize4, strides4,
+                                           padding, data_format="NHWC"), data_format)
+        dz = tape.gradient(y, z, output_gradients=dy) if dy is not None else None
     if defined:
         y = tf.constant(defined_pool_output(y, z, ksize, strides, padding, data_format), y.dtype)
     return y, dz
@@ -209,6 +213,9 @@ def make_dy(case, y_shape):
         m = rng.random(y_shape) < 0.1
         dy[m] = rng.choice([np.inf, -np.inf, np.nan, -0.0], size=int(m.sum()))
     return tf.constant(dy, dtype=case["dtype"])
+
+
+GPU_VISIBLE = bool(tf.config.list_physical_devices("GPU"))
 
 
 @pytest.fixture(scope="session")

@@ -1,5 +1,8 @@
 """Second- and third-order gradients of the fused ops, bitwise against stock TensorFlow on CPU.
 
+Where a GPU is visible the fused op-level cases run on it against stock on the CPU; the model
+tests (convolutions, whose GPU bits depend on cuDNN's algorithm) run wholly on the CPU.
+
 Stock differentiates its backward: MaxPoolGrad -> MaxPoolGradGrad (gathers by value: the first
 window position equal to the pooled output) and ReluGrad -> ReluGrad. The fused backward ops
 gather through the window argmax instead; the two agree on every window without NaN, which is
@@ -104,7 +107,8 @@ def _check_case(case, keep):
     dy = tf.constant(rng.normal(size=y_shape), dtype)
     ddz = tf.constant(rng.integers(-3, 4, size=z.shape) + rng.normal(size=z.shape) * 0.5, dtype)
     g = tf.constant(rng.normal(size=y_shape), dtype)
-    _, _, ddy_s, dddz_s = _derivatives(_stock_fn(*args), z, dy, ddz, g)
+    with tf.device("/CPU:0"):  # stock's CPU kernels are the definition (see conftest)
+        _, _, ddy_s, dddz_s = _derivatives(_stock_fn(*args), z, dy, ddz, g)
     _, _, ddy_f, dddz_f = _derivatives(_fused_fn(*args, keep), z, dy, ddz, g)
     assert ddy_f.dtype == dtype and ddy_f.shape == y_shape
     nan_window = _window_has_nan(z, *args)
@@ -187,6 +191,11 @@ def _model_params():
 def test_gradient_penalty_and_hessian_vector_product(dtype, data_format, keep, window):
     """WGAN-GP style: d/dw of sum((d out / d x)^2) through conv + pool; and a Hessian-vector
     product of the plain loss by forward-over-backward (tf.autodiff.ForwardAccumulator)."""
+    with tf.device("/CPU:0"):
+        _gradient_penalty_and_hvp(dtype, data_format, keep, window)
+
+
+def _gradient_penalty_and_hvp(dtype, data_format, keep, window):
     x, w, v = _model_inputs(dtype)
     results = []
     for pool in _pools(WINDOWS[window], data_format, keep):
@@ -212,6 +221,11 @@ def test_gradient_penalty_and_hessian_vector_product(dtype, data_format, keep, w
 @pytest.mark.parametrize("data_format", ["NHWC", "NCHW"])
 @pytest.mark.parametrize("dtype", [tf.float32, tf.float64], ids=lambda d: d.name)
 def test_tf_hessians_of_a_small_model(dtype, data_format, keep):
+    with tf.device("/CPU:0"):
+        _hessians_equal(dtype, data_format, keep)
+
+
+def _hessians_equal(dtype, data_format, keep):
     x, w, _ = _model_inputs(dtype, seed=3)
     hessians = []
     for pool in _pools(WINDOWS["overlapping"], data_format, keep):
