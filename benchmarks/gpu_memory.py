@@ -71,7 +71,8 @@ MIB = 2.0 ** 20
 OOM_HINTS = ("out of memory", "oom when allocating", "resource exhausted", "resourceexhausted",
              "failed to get convolution algorithm", "cudnn_status_alloc_failed",
              "cudnn_status_not_initialized", "cublas_status_alloc_failed",
-             "failed to allocate", "dnn library initialization failed")
+             "failed to allocate", "dnn library initialization failed",
+             "dst tensor is not initialized", "failed copying input tensor")
 
 
 class ReportError(RuntimeError):
@@ -454,8 +455,9 @@ def _peak_of(measured, variant, batch):
     return _median(values)
 
 
-def render(report):
-    """The Markdown report from the JSON-able dict main() builds."""
+def render(report, brief=False):
+    """The Markdown report from the JSON-able dict main() builds (brief: without the paragraph
+    on the method, for the terminal)."""
     a = report["args"]
     meta = report["meta"]
     dev = meta["device"]
@@ -482,6 +484,8 @@ def render(report):
                     "that; the CPU has no memory_limit, so this is compared, not enforced")
         lines[-1] += (f" Largest batch: the largest multiple of {a['granularity']} that trains "
                       f"{a['trial_steps']} steps under {limit} MiB ({how}).")
+    if brief:
+        del lines[-1]
     lines.append("")
     header = ["model", "Grappler", "variant"] + [f"peak @{b} (MiB)" for b in a["batch_sizes"]]
     if a["rounds"]:
@@ -539,9 +543,10 @@ def render(report):
     if notes:
         lines.append("Trials that failed for another reason than memory (counted as not "
                      "fitting): " + " | ".join(notes))
-    lines.append("Grappler: default = TensorFlow's defaults; layout-off = "
-                 "`set_experimental_options({\"layout_optimizer\": False})`; remapper-off = "
-                 "`{\"remapping\": False}`; workspace-0 = `TF_CUDNN_WORKSPACE_LIMIT_IN_MB=0`.")
+    if not brief:
+        lines.append("Grappler: default = TensorFlow's defaults; layout-off = "
+                     "`set_experimental_options({\"layout_optimizer\": False})`; remapper-off = "
+                     "`{\"remapping\": False}`; workspace-0 = `TF_CUDNN_WORKSPACE_LIMIT_IN_MB=0`.")
     return "\n".join(lines) + "\n"
 
 
@@ -654,8 +659,8 @@ def parse_args(argv=None, prog=None):
     p.add_argument("--inter-op-threads", type=int, default=1,
                    help="TensorFlow inter-op parallelism in every process (default 1: repeatable "
                         "peaks; 0: TensorFlow's default)")
-    p.add_argument("--trial-timeout", type=_positive_arg, default=600,
-                   help="seconds before a trial counts as failed (default 600)")
+    p.add_argument("--trial-timeout", type=_positive_arg, default=300,
+                   help="seconds before a trial counts as failed (default 300)")
     p.add_argument("--worker-timeout", type=_positive_arg, default=1800,
                    help="seconds for one measuring process (default 1800)")
     p.add_argument("--out", default=None,
@@ -697,7 +702,11 @@ def main(argv=None, prog=None):
     args = parse_args(argv, prog)
     if args.worker:
         {"probe": worker_probe, "measure": worker_measure, "trial": worker_trial}[args.worker](args)
-        return 0
+        # The answer is printed: leave without TensorFlow's teardown (after an out-of-memory
+        # error on a GPU it can take long, and nothing is left to clean up).
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
     name = prog or "gpu_memory.py"
     md_path, json_path = output_paths(args.out, os.path.join(ROOT, "build", "demo") if args.quick
                                       else os.path.join(HERE, "results"))
@@ -773,7 +782,7 @@ def main(argv=None, prog=None):
     with open(json_path, "w") as f:
         json.dump(report, f, indent=1)
     print()
-    print(md)
+    print(render(report, brief=True))
     print(f"{name}: wrote {md_path} and {json_path} ({time.time() - t0:.0f} s)")
     return 0
 

@@ -304,6 +304,7 @@ def test_gpu_report_end_to_end_on_cpu(tmp_path):
     md = out.read_text()
     assert "measured on **CPU:0 (" in md and "| simple | default | fused argmax |" in md
     assert "measured on **CPU:0 (" in p.stdout  # the table is printed too
+    assert "| simple | default | fused argmax |" in p.stdout.rsplit("measured on", 1)[1]
     r = json.loads((tmp_path / "report.json").read_text())
     peaks = r["measured"]["simple"]["default"]["peaks"]
     assert len(peaks["stock"]["32"]) == 2
