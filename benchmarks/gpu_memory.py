@@ -248,6 +248,10 @@ def _library():
         so = os.path.join(info["path"], "_relu_max_pool_ops.so")
         if os.path.exists(so):
             info["built"] = f"{datetime.datetime.fromtimestamp(os.path.getmtime(so)):%Y-%m-%d %H:%M}"
+        from tensorflow.python.framework import kernels
+        tf_relupool.load_library()
+        info["kernel_devices"] = sorted({k.device_type for k in kernels.get_registered_kernels_for_op(
+            "ReluMaxPoolWithWindowArgmax").kernel})
     except Exception as e:  # noqa: BLE001 - a description only
         info["error"] = f"{type(e).__name__}: {e}"
     return info
@@ -470,22 +474,26 @@ def render(report, brief=False):
              f"TensorFlow {versions.get('tensorflow', '?')}, Keras {versions.get('keras', '?')}, "
              f"Python {versions.get('python', '?')}; op library "
              f"{'with' if lib.get('with_cuda') else 'without'} CUDA kernels, built "
-             f"{lib.get('built', '?')}; checkout {meta.get('git_head') or '?'}.", "",
-             "Keras training: `compile(SGD(0.01), SparseCategoricalCrossentropy, "
-             "jit_compile=False)`, `train_on_batch` on synthetic float32 32x32x3 images; "
-             f"inter-op parallelism {a['inter_op_threads'] or 'default'}. "
-             f"Peak: bytes the {dev['name']} allocator holds at the peak of one step above what "
-             f"was resident before it, median of {a['reps']} steps after 2 warm-up steps. "
-             f"Step time: median of {a['rounds']} steps at batch {a['time_batch']}, variants "
-             "interleaved. Ratios are against stock in the same Grappler configuration."]
+             f"{lib.get('built', '?')}; checkout {meta.get('git_head') or '?'}."]
+    if dev["kind"] == "gpu" and "GPU" not in lib.get("kernel_devices", ["GPU"]):
+        lines += ["", f"**Warning: the op library has no GPU kernels (registered for "
+                      f"{', '.join(lib['kernel_devices']) or 'nothing'}): the fused ops ran on "
+                      "the CPU, with copies; the fused rows do not measure the GPU kernels.**"]
+    method = ("Keras training: `compile(SGD(0.01), SparseCategoricalCrossentropy, "
+              "jit_compile=False)`, `train_on_batch` on synthetic float32 32x32x3 images; "
+              f"inter-op parallelism {a['inter_op_threads'] or 'default'}. "
+              f"Peak: bytes the {dev['name']} allocator holds at the peak of one step above what "
+              f"was resident before it, median of {a['reps']} steps after 2 warm-up steps. "
+              f"Step time: median of {a['rounds']} steps at batch {a['time_batch']}, variants "
+              "interleaved. Ratios are against stock in the same Grappler configuration.")
     if search_on:
         how = ("a fresh process whose GPU has `memory_limit` set to that" if dev["kind"] == "gpu"
                else "a fresh process whose CPU allocator peak (resident included) stays under "
                     "that; the CPU has no memory_limit, so this is compared, not enforced")
-        lines[-1] += (f" Largest batch: the largest multiple of {a['granularity']} that trains "
-                      f"{a['trial_steps']} steps under {limit} MiB ({how}).")
-    if brief:
-        del lines[-1]
+        method += (f" Largest batch: the largest multiple of {a['granularity']} that trains "
+                   f"{a['trial_steps']} steps under {limit} MiB ({how}).")
+    if not brief:
+        lines += ["", method]
     lines.append("")
     header = ["model", "Grappler", "variant"] + [f"peak @{b} (MiB)" for b in a["batch_sizes"]]
     if a["rounds"]:
