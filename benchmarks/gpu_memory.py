@@ -36,7 +36,7 @@ script; benchmarks/memory_report.py is the CPU report.
 Writes a Markdown table (--out FILE.md, or DIR/gpu_memory.md) and the raw numbers beside it
 (.json), and prints the table.
 
-    python benchmarks/gpu_memory.py --quick --out /tmp/gpu_memory.md    # about 5 min on an H200
+    python benchmarks/gpu_memory.py --quick --out /tmp/gpu_memory.md    # meant for ~5 min on an H200
     python benchmarks/memory_report.py --device gpu --quick --out $OUT/gpu_memory.md   # the same
     python benchmarks/gpu_memory.py --models vgg --grappler default,layout-off,layout-off+workspace-0 \\
         --search-grappler default,layout-off --batch-sizes 256,1024
