@@ -35,13 +35,16 @@ bench: install
 	$(PY) benchmarks/bench_ops.py
 
 # The main job: a short CIFAR-10 training, stock then fused from the same weights, printing their
-# peak step memory side by side, then the quick memory/speed report (benchmarks/results/).
+# peak step memory side by side, then the quick memory/speed report (build/demo/).
 # Synthetic data by default (offline); `make demo DATA=../shared/data/cifar10-jpeg.tar.gz` (or an
 # image-folder directory, or DATA=keras) trains one epoch on 5,000 real images instead.
+# DEVICE=auto (default) measures the GPU's allocator when TensorFlow sees a GPU, else the CPU's;
+# DEVICE=cpu or gpu chooses. On the GPU the report is benchmarks/gpu_memory.py's (~5 min).
+DEVICE ?= auto
 demo: install
-	$(PY) examples/cifar10.py --model simple --recompute off,argmax --batch-size 128 \
+	$(PY) examples/cifar10.py --device $(DEVICE) --model simple --recompute off,argmax --batch-size 128 \
 	  $(if $(DATA),--data $(DATA) --epochs 1 --limit 5000 --test-limit 2000,--epochs 2 --steps-per-epoch 12)
-	$(PY) benchmarks/memory_report.py --quick
+	$(PY) benchmarks/memory_report.py --quick --device $(DEVICE)
 
 clean:
 	rm -rf build *.egg-info $(VENV) tf_relupool/_relu_max_pool_ops.so tf_relupool/_build_info.py
@@ -143,9 +146,10 @@ bazel-clean:
 
 # ---- CIFAR-10 examples (issue 5) ----
 .PHONY: report demo-real
-# The full memory/speed report: three models, four variants, several batch sizes (~20-30 min).
+# The full memory/speed report: three models, four variants, several batch sizes (~20-30 min);
+# on a GPU (DEVICE=auto or gpu) the GPU report -> benchmarks/results/gpu_memory.md.
 report: install
-	$(PY) benchmarks/memory_report.py
+	$(PY) benchmarks/memory_report.py --device $(DEVICE)
 
 demo-real: install
 	$(MAKE) --no-print-directory demo DATA=$(or $(DATA),../shared/data/cifar10-jpeg.tar.gz)

@@ -19,6 +19,13 @@ one panel per model) and prints the table.
 
     python benchmarks/memory_report.py                 # full report -> benchmarks/results/
     python benchmarks/memory_report.py --quick         # small version for `make demo`
+
+The device: --device auto (default) measures the GPU when TensorFlow sees one, else the CPU;
+--device cpu|gpu chooses. On the GPU the report is benchmarks/gpu_memory.py's (the GPU
+allocator's peaks, Grappler configurations, largest batch under a GPU memory_limit; its options
+apply, see `gpu_memory.py --help`):
+
+    python benchmarks/memory_report.py --device gpu --quick --out $OUT/gpu_memory.md
 """
 import argparse
 import datetime
@@ -33,8 +40,11 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, os.path.join(ROOT, "examples"))
+if HERE not in sys.path:
+    sys.path.insert(0, HERE)  # gpu_memory.py, the GPU report
 
 MODELS = ("simple", "vgg", "resnet")  # examples/models.py
+DEVICE_CHOICES = ("auto", "cpu", "gpu")
 VARIANTS = ("stock", "recompute_grad", "fused argmax", "fused input")
 MIB = 2.0 ** 20
 
@@ -46,6 +56,7 @@ def _setup_tf(deterministic_memory):
     os.environ["TF_CPU_ALLOCATOR_USE_BFC"] = "true"  # allocator stats on CPU; before TF starts
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     import tensorflow as tf
+    tf.config.set_visible_devices([], "GPU")  # the CPU report measures the CPU, GPU or not
     if deterministic_memory:
         tf.config.threading.set_inter_op_parallelism_threads(1)
         intra = int(os.environ.get("MEMORY_REPORT_INTRA_OP", "0"))
@@ -263,7 +274,8 @@ def render(results, args, versions, meta):
     lib = meta.get("library", {})
     lines = [f"# Peak training-step memory and step time: stock vs fused ReLU + max pool", "",
              f"{meta.get('date')}, {meta.get('machine')}; TensorFlow "
-             f"{versions['tf']}, Keras {versions['keras']}, float32, SGD, CPU; op library built "
+             f"{versions['tf']}, Keras {versions['keras']}, float32, SGD, measured on CPU:0 "
+             f"(TensorFlow's CPU BFC allocator); op library built "
              f"{lib.get('op_library_built', '?')}, checkout {lib.get('git_head', '?')}.", "",
              "Peak: bytes allocated during one training step above what was resident before it "
              "(BFC allocator stats, inter-op parallelism 1, median over "
@@ -326,7 +338,13 @@ def plot(results, args, path):
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                epilog="With --device gpu (or auto on a machine where TensorFlow "
+                                       "sees a GPU) benchmarks/gpu_memory.py's options apply "
+                                       "instead: see gpu_memory.py --help.")
+    p.add_argument("--device", choices=DEVICE_CHOICES, default="auto",
+                   help="auto (default): the GPU when TensorFlow sees one, else the CPU; the "
+                        "GPU report is benchmarks/gpu_memory.py's")
     p.add_argument("--quick", action="store_true",
                    help="small version for `make demo`: fewer batch sizes, steps and rounds")
     p.add_argument("--models", default=None, help="comma-separated: simple,vgg,resnet")
@@ -368,11 +386,36 @@ def parse_args(argv=None):
     return args
 
 
+def _device(argv):
+    """"cpu" or "gpu": --device, or for auto the device TensorFlow would use (asked only when
+    the machine has NVIDIA device files). Exits with a one-line error when that fails."""
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--device", choices=DEVICE_CHOICES, default="auto")
+    pre.add_argument("--worker")
+    known, _ = pre.parse_known_args(argv)
+    if known.worker or known.device != "auto" or {"-h", "--help"} & set(argv):
+        return known.device if known.device != "auto" else "cpu"
+    import gpu_memory
+    try:
+        return gpu_memory.detect_device()
+    except (gpu_memory.ReportError, gpu_memory.devices.DeviceError) as e:
+        raise SystemExit(f"memory_report.py: error: cannot tell which device TensorFlow uses "
+                         f"here (pass --device cpu or gpu): {e}")
+
+
 def main(argv=None):
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if _device(argv) == "gpu":
+        import gpu_memory
+        rest = [a for i, a in enumerate(argv) if a != "--device" and not a.startswith("--device=")
+                and not (i > 0 and argv[i - 1] == "--device")]
+        return gpu_memory.main(rest + ["--device", "gpu"], prog="memory_report.py")
     args = parse_args(argv)
     if args.worker:
         args.model = args.models[0]
         return worker_peaks(args) if args.worker == "peaks" else worker_times(args)
+    print(f"memory_report: measuring CPU:0 ({_machine()}): TensorFlow's CPU BFC allocator "
+          "(TF_CPU_ALLOCATOR_USE_BFC=true)", flush=True)
     from importlib import metadata
     versions = {"tf": metadata.version("tensorflow"), "keras": metadata.version("keras")}
     json_path = os.path.join(args.out, "memory_report.json")
@@ -409,4 +452,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -9,12 +9,16 @@ script does what a user adds to their own code:
 Several comma-separated modes (--recompute off,argmax) train the same initial weights on the same
 batches once per mode, one after another, and print a side-by-side summary. Per epoch, after
 Keras's progress bar: loss, accuracy, median step time and peak training-step memory (bytes
-allocated during a step above what was resident before it, from TensorFlow's BFC allocator).
+allocated during a step above what was resident before it, from the allocator statistics of the
+device that trains: the GPU's when TensorFlow sees one, else the CPU's BFC allocator). The output
+names the device measured; --device cpu|gpu chooses it, --layout-optimizer/--remapper off turn
+those Grappler passes off, --memory-limit caps the GPU's memory.
 
     python examples/cifar10.py                                  # simple CNN, synthetic data
     python examples/cifar10.py --model vgg --recompute off,argmax --epochs 2
     python examples/cifar10.py --data ../shared/data/cifar10-jpeg.tar.gz --limit 10000
     python examples/cifar10.py --data keras                     # keras.datasets.cifar10
+    python examples/cifar10.py --device gpu --layout-optimizer off --batch-size 1024
 """
 import argparse
 import json
@@ -27,6 +31,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 import data as data_lib  # noqa: E402  (no TensorFlow import)
+import devices  # noqa: E402  (no TensorFlow import)
 
 MODELS = ("simple", "vgg", "resnet")
 MODES = ("off", "argmax", "input")
@@ -51,6 +56,13 @@ def _positive_int(name):
         return value
     parse.__name__ = name
     return parse
+
+
+def _on_off(text):
+    value = text.strip().lower()
+    if value not in ("on", "off"):
+        raise argparse.ArgumentTypeError(f"expected on or off, got {text!r}")
+    return value == "on"
 
 
 def _modes(text):
@@ -89,6 +101,18 @@ def parse_args(argv=None):
     p.add_argument("--inter-op-threads", type=int, default=1,
                    help="TensorFlow inter-op parallelism; 1 (default) makes the peak memory "
                         "comparable between runs, 0 is TensorFlow's default")
+    p.add_argument("--device", choices=devices.DEVICE_CHOICES, default="auto",
+                   help="auto (default): the first GPU when TensorFlow sees one, else the CPU; "
+                        "the peak memory is read from that device's allocator")
+    p.add_argument("--layout-optimizer", type=_on_off, default=True, metavar="{on,off}",
+                   help="Grappler's layout optimizer (default on, TensorFlow's default; on the "
+                        "GPU it turns fp32 NHWC convolutions into NCHW with transposes)")
+    p.add_argument("--remapper", type=_on_off, default=True, metavar="{on,off}",
+                   help="Grappler's remapper (default on; on the GPU it fuses Conv2D+BiasAdd+Relu)")
+    p.add_argument("--memory-limit", type=_positive_int("MiB"), default=None, metavar="MIB",
+                   help="GPU only: the GPU's memory_limit in MiB (a logical device set before "
+                        "TensorFlow initialises the GPU); a batch that does not fit fails with "
+                        "an out-of-memory error")
     p.add_argument("--verbose", type=int, default=1, choices=(0, 1, 2),
                    help="Keras fit verbosity (1: progress bar)")
     p.add_argument("--json", metavar="FILE", help="also write the results (per-step losses, "
@@ -101,19 +125,25 @@ def parse_args(argv=None):
     return args, p
 
 
-def _setup_tensorflow(args):
-    # The BFC allocator keeps the statistics read below; it must be chosen before TF starts.
-    os.environ.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "true")
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    import tensorflow as tf
-    if args.inter_op_threads:
-        tf.config.threading.set_inter_op_parallelism_threads(args.inter_op_threads)
-    if args.deterministic:
-        tf.config.experimental.enable_op_determinism()
-    return tf
+def _setup_tensorflow(args, parser):
+    """TensorFlow configured for args.device; returns (tf, devices.Device)."""
+    # On the CPU, the BFC allocator keeps the statistics read below; it must be chosen before TF
+    # starts. A GPU memory limit must be set before TF initialises the GPU, without growth.
+    devices.prepare_environment(memory_limit_mib=args.memory_limit)
+    try:
+        tf, dev = devices.setup(args.device, memory_limit_mib=args.memory_limit,
+                                layout_optimizer=None if args.layout_optimizer else False,
+                                remapper=None if args.remapper else False,
+                                inter_op_threads=args.inter_op_threads,
+                                deterministic=args.deterministic)
+    except devices.DeviceError as e:
+        parser.error(f"argument --device: {e}")
+    if args.memory_limit and dev.kind != "gpu":
+        parser.error("argument --memory-limit: needs a GPU (TensorFlow trains on the CPU here)")
+    return tf, dev
 
 
-def _step_stats_callback(tf):
+def _step_stats_callback(tf, dev):
     import keras
 
     class StepStats(keras.callbacks.Callback):
@@ -122,19 +152,14 @@ def _step_stats_callback(tf):
         def __init__(self):
             super().__init__()
             self.epochs = []
-            try:
-                tf.config.experimental.get_memory_info("CPU:0")
-                self.memory = True
-            except ValueError:  # TF started without TF_CPU_ALLOCATOR_USE_BFC=true
-                self.memory = False
+            self.meter = devices.StepMemory(tf, dev)
+            self.memory = self.meter.available  # False: e.g. CPU without TF_CPU_ALLOCATOR_USE_BFC
 
         def on_epoch_begin(self, epoch, logs=None):
             self.times, self.peaks, self.losses = [], [], []
 
         def on_train_batch_begin(self, batch, logs=None):
-            if self.memory:
-                tf.config.experimental.reset_memory_stats("CPU:0")
-                self.before = tf.config.experimental.get_memory_info("CPU:0")["current"]
+            self.meter.begin()
             self.start = time.perf_counter()
 
         def on_train_batch_end(self, batch, logs=None):
@@ -142,8 +167,7 @@ def _step_stats_callback(tf):
             self.times.append(time.perf_counter() - self.start)
             self.losses.append(loss)
             if self.memory:
-                self.peaks.append(tf.config.experimental.get_memory_info("CPU:0")["peak"]
-                                  - self.before)
+                self.peaks.append(self.meter.end())
 
         def on_epoch_end(self, epoch, logs=None):
             times = self.times[1:] if epoch == 0 and len(self.times) > 1 else self.times
@@ -154,9 +178,10 @@ def _step_stats_callback(tf):
                      "median_peak_bytes": statistics.median(self.peaks) if self.peaks else None,
                      "step_losses": self.losses}
             self.epochs.append(stats)
-            peak = (f"peak step memory {stats['peak_bytes'] / MIB:.1f} MiB (median "
-                    f"{stats['median_peak_bytes'] / MIB:.1f})" if self.peaks
-                    else "peak step memory n/a (set TF_CPU_ALLOCATOR_USE_BFC=true)")
+            peak = (f"peak step memory on {dev.name} {stats['peak_bytes'] / MIB:.1f} MiB "
+                    f"(median {stats['median_peak_bytes'] / MIB:.1f})" if self.peaks
+                    else f"peak step memory n/a ({self.meter.reason}; on the CPU set "
+                         "TF_CPU_ALLOCATOR_USE_BFC=true)")
             print(f"epoch {epoch + 1}: loss {stats['loss']:.4f}, accuracy "
                   f"{stats['accuracy']:.4f}, step time {stats['step_time_s'] * 1e3:.0f} ms "
                   f"(median), {peak}", flush=True)
@@ -164,7 +189,7 @@ def _step_stats_callback(tf):
     return StepStats()
 
 
-def train_one(args, mode, tf):
+def train_one(args, mode, tf, dev):
     """Builds, (rewrites,) compiles, fits and evaluates the model for one --recompute mode."""
     import keras
     import models
@@ -187,7 +212,7 @@ def train_one(args, mode, tf):
                   metrics=["accuracy"], jit_compile=False)
     print(f"== {args.model}, recompute {mode}: {fused} fused ReLU+MaxPool layer(s); "
           f"{description}; batch {args.batch_size}", flush=True)
-    stats = _step_stats_callback(tf)
+    stats = _step_stats_callback(tf, dev)
     callbacks = [stats]
     if args.verbose:  # the progress bar first, so that each epoch's line follows its bar
         callbacks.insert(0, keras.callbacks.ProgbarLogger())
@@ -207,10 +232,17 @@ def _all_layers(model):
             yield from _all_layers(layer)
 
 
-def summary(results):
-    """A side-by-side table of the last epoch of each mode."""
+def summary(results, dev=None):
+    """A side-by-side table of the last epoch of each mode, with the device measured."""
     ref = results[0]["epochs"][-1]
-    lines = ["| recompute | peak step memory, max (MiB) | median (MiB) | median vs first | "
+    lines = []
+    if dev is not None:
+        lines += [f"device measured: {dev.label()}; Grappler layout optimizer "
+                  f"{dev.grappler.get('layout_optimizer', 'on')}, remapper "
+                  f"{dev.grappler.get('remapper', 'on')}"
+                  + (f"; memory limit {dev.memory_limit_mib} MiB" if dev.memory_limit_mib else ""),
+                  ""]
+    lines += ["| recompute | peak step memory, max (MiB) | median (MiB) | median vs first | "
              "step time (ms) | speed vs first | train loss | test accuracy |",
              "|---|---|---|---|---|---|---|---|"]
     for r in results:
@@ -228,20 +260,33 @@ def summary(results):
         lines.append("")
         lines.append("per-step training losses bitwise equal across modes: "
                      f"{'yes' if same else 'no'}")
+        if not same and dev is not None and dev.kind == "gpu" and \
+                dev.grappler.get("remapper") == "on":
+            lines.append("(on the GPU the remapper fuses stock Conv2D+BiasAdd+Relu into one cuDNN "
+                         "call, so stock and fused losses differ in the last bits; "
+                         "--remapper off --deterministic makes them bitwise equal)")
     return "\n".join(lines)
 
 
 def main(argv=None):
     args, parser = parse_args(argv)
-    tf = _setup_tensorflow(args)
+    tf, dev = _setup_tensorflow(args, parser)
+    print(f"training on {dev.label()}; peak step memory from its allocator"
+          + (f"; memory limit {args.memory_limit} MiB" if args.memory_limit else ""), flush=True)
     results = []
     try:
         for mode in args.recompute:
-            results.append(train_one(args, mode, tf))
+            results.append(train_one(args, mode, tf, dev))
     except data_lib.DataError as e:
         parser.error(f"argument --data: {e}")
+    except tf.errors.ResourceExhaustedError as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        print(f"cifar10.py: out of memory on {dev.name} at batch {args.batch_size}"
+              + (f" under memory limit {args.memory_limit} MiB" if args.memory_limit else "")
+              + f": {first[:200]}", file=sys.stderr)
+        return 1
     print()
-    print(summary(results))
+    print(summary(results, dev))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)

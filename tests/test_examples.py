@@ -3,6 +3,8 @@
 Each case runs the script in a fresh Python process (TF_CPU_ALLOCATOR_USE_BFC must be set before
 TensorFlow starts, and the recompute switch is process-global).
 """
+import glob
+import importlib.util
 import json
 import os
 import subprocess
@@ -13,6 +15,23 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CIFAR = os.path.join(ROOT, "examples", "cifar10.py")
 REPORT = os.path.join(ROOT, "benchmarks", "memory_report.py")
+GPU_REPORT = os.path.join(ROOT, "benchmarks", "gpu_memory.py")
+MIB = 2 ** 20
+# TensorFlow cannot see a GPU on a machine without NVIDIA device files.
+NO_GPU = not glob.glob("/dev/nvidia[0-9]*")
+
+
+def _gpu_memory_module():
+    """benchmarks/gpu_memory.py as a module (it imports no TensorFlow at module level)."""
+    spec = importlib.util.spec_from_file_location("gpu_memory", GPU_REPORT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _expected_device():
+    import tensorflow as tf
+    return "GPU:0" if tf.config.list_physical_devices("GPU") else "CPU:0"
 # In a CI clone the shared data sits beside the project root; TF_RELUPOOL_CIFAR10 overrides.
 REAL_DATA = os.environ.get("TF_RELUPOOL_CIFAR10",
                            os.path.join(ROOT, "..", "shared", "data", "cifar10-jpeg.tar.gz"))
@@ -54,6 +73,10 @@ def _bad_inputs(tmp_path):
         (["--data", str(text_file)], "--data"),
         (["--data", str(bad_tar)], "--data"),
         (["--limit", "0"], "--limit"),
+        (["--device", "tpu"], "--device"),
+        (["--layout-optimizer", "maybe"], "--layout-optimizer"),
+        (["--remapper", "1"], "--remapper"),
+        (["--memory-limit", "0"], "--memory-limit"),
     ]
 
 
@@ -71,7 +94,11 @@ def test_cli_bad_input_is_one_line_naming_the_option(tmp_path):
 def test_report_bad_input():
     for args, option in ((["--models", "lenet"], "--models"),
                          (["--batch-sizes", "0,32"], "--batch-sizes"),
-                         (["--batch-sizes", "x"], "--batch-sizes")):
+                         (["--batch-sizes", "x"], "--batch-sizes"),
+                         (["--device", "tpu"], "--device"),
+                         (["--device", "gpu", "--grappler", "layout-of"], "--grappler"),
+                         (["--device", "gpu", "--variants", "argmax,relu"], "--variants"),
+                         (["--device", "gpu", "--memory-limit", "0"], "--memory-limit")):
         p = run(REPORT, *args, timeout=120)
         assert p.returncode == 2, (args, p.stderr[-2000:])
         assert option in p.stderr and "Traceback" not in p.stderr, (args, p.stderr[-2000:])
@@ -88,6 +115,11 @@ def test_synthetic_training(tmp_path, model, batch, modes):
             "--steps-per-epoch", "6", "--batch-size", str(batch), "--limit", "384",
             "--test-limit", "64", "--deterministic", "--verbose", "0", "--json", str(out))
     assert p.returncode == 0, p.stderr[-4000:]
+    # The output names the device whose allocator was measured.
+    device = _expected_device()
+    assert f"training on {device} (" in p.stdout, p.stdout[:2000]
+    assert f"device measured: {device} (" in p.stdout
+    assert f"peak step memory on {device} " in p.stdout
     results = json.loads(out.read_text())
     stock, argmax, *others = results
     assert [r["mode"] for r in results] == modes.split(",")
@@ -116,18 +148,168 @@ def test_synthetic_training(tmp_path, model, batch, modes):
     assert "per-step training losses bitwise equal across modes: yes" in p.stdout
 
 
+@pytest.mark.skipif(not NO_GPU, reason="checks the CPU report that --device auto picks without a GPU")
 def test_memory_report_quick(tmp_path):
     """The report's worker measures peaks and the driver writes the table and the plot."""
     p = run(REPORT, "--quick", "--models", "simple", "--batch-sizes", "16,32", "--cap-batch",
             "32", "--time-batch", "16", "--rounds", "2", "--reps", "2", "--out", str(tmp_path))
     assert p.returncode == 0, p.stderr[-4000:]
     md = (tmp_path / "memory_report.md").read_text()
+    # No GPU here: --device auto (the default) picks the CPU report, and says so.
+    assert "memory_report: measuring CPU:0 (" in p.stdout, p.stdout[:2000]
+    assert "measured on CPU:0 (TensorFlow's CPU BFC allocator)" in md
     for variant in ("stock", "recompute_grad", "fused argmax", "fused input"):
         assert f"| simple | {variant} |" in md
     assert (tmp_path / "memory_report.png").stat().st_size > 1000
     r = json.loads((tmp_path / "memory_report.json").read_text())["simple"]
     assert r["all_peaks"]["fused argmax"]["32"] < r["all_peaks"]["stock"]["32"]
     assert r["largest"]["fused argmax"] > r["largest"]["stock"]
+
+
+# ---- the device: GPU when TensorFlow sees one; the GPU report's search, table and workers ----
+
+@pytest.mark.skipif(not NO_GPU, reason="needs a machine without a GPU")
+def test_gpu_asked_for_without_a_gpu():
+    """--device gpu on a CPU machine: one line saying there is no GPU, exit status 2; a GPU
+    memory limit on the CPU likewise."""
+    for script, args, option in ((CIFAR, ["--device", "gpu"], "--device"),
+                                 (CIFAR, ["--memory-limit", "512"], "--memory-limit"),
+                                 (REPORT, ["--device", "gpu", "--quick"], "--device")):
+        p = run(script, *args, timeout=300)
+        assert p.returncode == 2, (args, p.returncode, p.stderr[-2000:])
+        # TensorFlow has started (its start-up lines go to stderr before logging is set up):
+        # the message is the last line.
+        assert "Traceback" not in p.stderr, (args, p.stderr[-2000:])
+        err = p.stderr.strip().splitlines()[-1]
+        assert option in err and "error" in err, (args, err)
+        if option == "--device":
+            assert "no GPU visible to TensorFlow" in err, err
+
+
+def test_largest_batch_search_finds_known_boundaries():
+    """Doubling (or halving) from the start, then bisection to the granularity, with a fake
+    trial function: the exact boundary, each batch tried once, few trials."""
+    gm = _gpu_memory_module()
+    for boundary in (0, 63, 64, 100, 2752, 3264, 5248, 65536, 10 ** 6):
+        for start, step in ((1024, None), (4096, None), (64, None), (2112, 256), (10 ** 6, None)):
+            tried = []
+
+            def fits(batch):
+                tried.append(batch)
+                return batch <= boundary
+
+            best, seen = gm.largest_fitting(fits, start, 64, step, highest=65536)
+            assert best == min(65536, boundary // 64 * 64), (boundary, start, step, tried)
+            assert len(tried) == len(set(tried)) == len(seen), tried
+            assert all(b % 64 == 0 and 64 <= b <= 65536 for b in tried), tried
+            assert len(tried) <= 16, (boundary, start, step, tried)
+    # Doubling from 1024 to the NOTES' stock simple-CNN boundary 2752: 1024, 2048, 4096 (OOM),
+    # then bisection between 2048 and 4096 to 64.
+    tried = []
+    best, _ = gm.largest_fitting(lambda b: tried.append(b) or b <= 2752, 1024, 64)
+    assert best == 2752 and tried[:3] == [1024, 2048, 4096] and len(tried) == 8, tried
+    # A start estimated from a measured peak: 877 MiB at batch 1024 under a 2048 MiB limit.
+    start, step = gm.search_start({1024: 877 * MIB}, 2048, 64, 1024)
+    assert start == 2112 and step == 256, (start, step)
+    assert gm.search_start({}, 2048, 64, 1024) == (1024, 1024)
+
+
+def test_grappler_configurations_and_error_kinds():
+    gm = _gpu_memory_module()
+    assert gm.parse_config("default") == {"layout_optimizer": None, "remapper": None,
+                                          "cudnn_workspace_mib": None}
+    assert gm.parse_config("layout-off+remapper-off+workspace-0") == {
+        "layout_optimizer": False, "remapper": False, "cudnn_workspace_mib": 0}
+    for bad in ("layout", "default+layout-off", "layout-off+layout-off", ""):
+        with pytest.raises(ValueError):
+            gm.parse_config(bad)
+    assert gm.classify_error("ResourceExhaustedError", "OOM when allocating tensor") == "oom"
+    assert gm.classify_error("UnknownError", "Failed to get convolution algorithm. This is "
+                             "probably because cuDNN failed to initialize") == "oom"
+    assert gm.classify_error("InvalidArgumentError", "input must be 4-dimensional") == "error"
+    args = gm.parse_args(["--quick"])
+    assert (args.device, args.models, args.batch_sizes, args.grappler, args.search_grappler,
+            args.search_variants, args.memory_limit, args.granularity) == (
+        "gpu", ["simple", "vgg"], [1024], ["default", "layout-off"], ["default"],
+        ["stock", "argmax"], 2048, 64)
+    assert gm.output_paths("/x/gpu.md", "/d") == ("/x/gpu.md", "/x/gpu.json")
+    assert gm.output_paths(None, "/d") == ("/d/gpu_memory.md", "/d/gpu_memory.json")
+
+
+def _fake_gpu_report(gm):
+    args = vars(gm.parse_args(["--quick", "--models", "simple"]))
+    measured = {
+        "default": {"peaks": {"stock": {"1024": [877 * MIB] * 3},
+                              "argmax": {"1024": [716 * MIB, 716 * MIB, 720 * MIB]},
+                              "input": {"1024": [880 * MIB] * 3}},
+                    "times": {"stock": [0.020] * 5, "argmax": [0.016] * 5,
+                              "input": [0.018] * 5}},
+        "layout-off": {"peaks": {"stock": {"1024": [802 * MIB] * 3},
+                                 "argmax": {"1024": [338 * MIB] * 3},
+                                 "input": {"1024": [600 * MIB] * 3}},
+                       "times": {"stock": [0.025] * 5, "argmax": [0.020] * 5,
+                                 "input": [0.021] * 5}}}
+    largest = {"default": {
+        "stock": {"batch": 2752, "capped": False, "trials": [
+            {"batch": 2112, "status": "fits"}, {"batch": 2816, "status": "oom"}]},
+        "argmax": {"batch": 3264, "capped": False, "trials": [
+            {"batch": 3328, "status": "crash", "message": "exit status -6: Check failed"}]}}}
+    return {"args": args, "measured": {"simple": measured}, "largest": {"simple": largest},
+            "meta": {"device": {"kind": "gpu", "name": "GPU:0",
+                                "description": "NVIDIA H200, compute capability 9.0"},
+                     "versions": {"tensorflow": "2.21.0", "keras": "3.15.1", "python": "3.12"},
+                     "library": {"with_cuda": True}, "date": "2026-12-01 12:00"}}
+
+
+def test_gpu_table_from_known_numbers():
+    """The Markdown table: device named, ratios against stock per Grappler configuration,
+    searched and unsearched cells, failed trials listed."""
+    gm = _gpu_memory_module()
+    md = gm.render(_fake_gpu_report(gm))
+    assert "# Training-step memory on GPU:0" in md
+    assert "measured on **GPU:0 (NVIDIA H200, compute capability 9.0)**" in md
+    assert "| model | Grappler | variant | peak @1024 (MiB) | step ms @1024 | speed vs stock | " \
+           "largest batch under 2048 MiB | vs stock |" in md
+    assert "| simple | default | stock | 877.0 | 20.0 | 1.00x | 2752 | 1.00x |" in md
+    assert "| simple | default | fused argmax | 716.0 (0.82x) | 16.0 | 1.25x | 3264 | 1.19x |" in md
+    assert "| simple | default | fused input | 880.0 (1.00x) | 18.0 | 1.11x | - | - |" in md
+    assert "| simple | layout-off | fused argmax | 338.0 (0.42x) | 20.0 | 1.25x | - | - |" in md
+    assert "batch 3328 crash (exit status -6: Check failed)" in md
+    assert "at most 0.6%" in md  # (720 - 716) / 716
+
+
+def test_gpu_report_trial_subprocess_on_cpu():
+    """One largest-batch trial in a fresh process, as on the GPU, here on the CPU (where the
+    limit is compared with the allocator's peak): fits under a roomy limit, not under 1 MiB."""
+    gm = _gpu_memory_module()
+    args = gm.parse_args(["--device", "cpu", "--models", "simple", "--grappler", "layout-off",
+                          "--memory-limit", "4096", "--trial-steps", "1"])
+    roomy = gm.run_trial(args, "simple", "layout-off", "argmax", 8)
+    assert roomy["status"] == "fits", roomy
+    assert roomy["device"] == "CPU:0" and roomy["batch"] == 8
+    assert 0 < roomy["step_peak_bytes"] <= roomy["total_peak_bytes"] < 4096 * MIB, roomy
+    args.memory_limit = 1
+    tight = gm.run_trial(args, "simple", "layout-off", "stock", 8)
+    assert tight["status"] == "oom" and "> limit 1 MiB" in tight["message"], tight
+
+
+def test_gpu_report_end_to_end_on_cpu(tmp_path):
+    """gpu_memory.py's driver and measuring worker, run on the CPU: the table names the CPU,
+    the fused argmax peak is below stock's, the JSON holds every measured step."""
+    out = tmp_path / "report.md"
+    p = run(GPU_REPORT, "--device", "cpu", "--models", "simple", "--variants", "stock,argmax",
+            "--batch-sizes", "32", "--time-batch", "32", "--reps", "2", "--rounds", "1",
+            "--grappler", "default", "--no-search", "--out", str(out), timeout=600)
+    assert p.returncode == 0, p.stderr[-4000:]
+    md = out.read_text()
+    assert "measured on **CPU:0 (" in md and "| simple | default | fused argmax |" in md
+    assert "measured on **CPU:0 (" in p.stdout  # the table is printed too
+    assert "| simple | default | fused argmax |" in p.stdout.rsplit("measured on", 1)[1]
+    r = json.loads((tmp_path / "report.json").read_text())
+    peaks = r["measured"]["simple"]["default"]["peaks"]
+    assert len(peaks["stock"]["32"]) == 2
+    assert max(peaks["argmax"]["32"]) < min(peaks["stock"]["32"]), peaks
+    assert r["meta"]["device"]["kind"] == "cpu"
 
 
 # ---- real CIFAR-10 images: stock and fused train bitwise alike ----
