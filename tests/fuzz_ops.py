@@ -408,7 +408,51 @@ def call_graph(rng, tf, tfr, lib):
     g.get_concrete_function()
 
 
-KINDS = [(call_api, 0.35), (call_raw_forward, 0.25), (call_raw_grads, 0.3), (call_graph, 0.1)]
+def call_raw_grad_grad(rng, tf, tfr, lib):
+    """ReluMaxPoolGradGradFromWindowArgmax with good, corrupted and mismatched inputs. Valid calls
+    check that it is the transpose of ReluMaxPoolGradFromWindowArgmax: <GG(ddz), dy> equals
+    <ddz, G(dy)>, computed exactly (float64 sums of small integers)."""
+    import numpy as np
+    fmt = _pick(rng, ["NHWC", "NCHW"])
+    dtype = _pick(rng, DTYPES)
+    shape = _shape(rng, fmt)
+    z = _values(rng, tf, shape, dtype)
+    attrs = dict(ksize=_attr_list(rng, fmt, False), strides=_attr_list(rng, fmt, False),
+                 padding=_pick(rng, ["VALID", "SAME"]), data_format=fmt)
+    try:
+        y, codes = lib.relu_max_pool_with_window_argmax(z, Targmax=tf.uint16, **attrs)
+    except tf.errors.InvalidArgumentError:
+        y, codes = lib.relu_max_pool_with_window_argmax(z, Targmax=tf.int32, **attrs)
+    ddz = tf.constant(rng.integers(-4, 5, size=shape), dtype)
+    mode = rng.random()
+    if mode < 0.5:
+        ddy = lib.relu_max_pool_grad_grad_from_window_argmax(ddz, codes, **attrs)
+        assert ddy.shape == y.shape and ddy.dtype == z.dtype
+        dy = tf.constant(rng.integers(-4, 5, size=y.shape.as_list()), dtype)
+        dz = lib.relu_max_pool_grad_from_window_argmax(shape, dy, codes, **attrs)
+        f64 = lambda t: np.nan_to_num(t.numpy().astype(np.float64))  # noqa: E731
+        lhs, rhs = float(np.sum(f64(ddy) * f64(dy))), float(np.sum(f64(ddz) * f64(dz)))
+        if lhs != rhs:
+            raise SanityError(f"grad-grad is not the transpose of grad: {lhs} != {rhs}")
+        return
+    if mode < 0.75:
+        c = codes.numpy().copy()
+        if c.size:
+            flat = c.reshape(-1)
+            flat[int(rng.integers(c.size))] = _pick(rng, [np.iinfo(c.dtype).max - 1, 300, 4095])
+        lib.relu_max_pool_grad_grad_from_window_argmax(ddz, tf.constant(c), **attrs)
+        return
+    bad = y.shape.as_list()
+    bad[int(rng.integers(4))] += 1
+    if rng.random() < 0.5:
+        lib.relu_max_pool_grad_grad_from_window_argmax(ddz, tf.zeros(bad, codes.dtype), **attrs)
+    else:
+        lib.relu_max_pool_grad_grad_from_window_argmax(ddz[..., :1] if rng.random() < 0.5
+                                                       else ddz[0], codes, **attrs)
+
+
+KINDS = [(call_api, 0.3), (call_raw_forward, 0.2), (call_raw_grads, 0.25),
+         (call_raw_grad_grad, 0.15), (call_graph, 0.1)]
 
 
 def describe_call(seed, index):

@@ -226,6 +226,11 @@ class ArgmaxReadingGpuOp : public PoolChecks<tensorflow::AsyncOpKernel> {
  public:
   using PoolChecks<tensorflow::AsyncOpKernel>::PoolChecks;
 
+  // Without a report to wait for, the executor treats the op as a plain synchronous kernel (its
+  // Compute runs ComputeAsync, which calls `done` before returning): the asynchronous path's
+  // bookkeeping costs host time per op for nothing.
+  tensorflow::AsyncOpKernel* AsAsync() override { return validate_window_argmax_ ? this : nullptr; }
+
  protected:
   // launch(first_bad) queues the kernel; first_bad is null when nothing is to be reported.
   template <typename C, typename Launch>
