@@ -25,8 +25,17 @@ $(VENV)/.installed: $(VENV)/.deps $(SOURCES)
 install: $(VENV)/.installed
 
 # Tests import the installed package, not the source tree (run from tests/, see tests/conftest.py).
+# Then the modules that compare with stock TensorFlow run again with oneDNN off
+# (TF_ENABLE_ONEDNN_OPTS=0: stock's plain Eigen CPU kernels, the default on CPUs without AVX-512,
+# where stock has no NCHW Conv2D/MaxPool), so that neither a result nor a test that holds only
+# with oneDNN can land. (test_examples.py's stock-vs-fused trainings stay in the first pass only:
+# minutes each, and test_keras_integration.py covers bitwise training in the second.)
+STOCK_TESTS ?= tests/test_ops.py tests/test_rewrite.py tests/test_layers.py \
+	tests/test_keras_integration.py tests/test_fuzz.py $(wildcard tests/test_higher_order.py)
+
 test: install
 	$(VENV)/bin/pytest -q tests
+	TF_ENABLE_ONEDNN_OPTS=0 $(VENV)/bin/pytest -q $(STOCK_TESTS)
 
 test-slow: install
 	$(VENV)/bin/pytest -q -m slow tests

@@ -156,8 +156,13 @@ def test_synthetic_training(tmp_path, model, batch, modes):
 @pytest.mark.skipif(not NO_GPU, reason="checks the CPU report that --device auto picks without a GPU")
 def test_memory_report_quick(tmp_path):
     """The report's worker measures peaks and the driver writes the table and the plot."""
-    p = run(REPORT, "--quick", "--models", "simple", "--batch-sizes", "16,32", "--cap-batch",
-            "32", "--time-batch", "16", "--rounds", "2", "--reps", "2", "--out", str(tmp_path))
+    # Batch 64: without oneDNN (TF_ENABLE_ONEDNN_OPTS=0, CPUs without AVX-512) stock's Eigen
+    # kernels add scratch buffers of about 35-40 MB to every step's peak, whatever the batch, so
+    # at batch 32 the peaks of all variants lie within that noise (measured: fused argmax 37-39 MB
+    # against stock 36-38 MB); at 64 the kept activations decide (about 38 against 55 MB, with
+    # oneDNN on or off).
+    p = run(REPORT, "--quick", "--models", "simple", "--batch-sizes", "16,64", "--cap-batch",
+            "64", "--time-batch", "16", "--rounds", "2", "--reps", "2", "--out", str(tmp_path))
     assert p.returncode == 0, p.stderr[-4000:]
     md = (tmp_path / "memory_report.md").read_text()
     # No GPU here: --device auto (the default) picks the CPU report, and says so.
@@ -167,7 +172,7 @@ def test_memory_report_quick(tmp_path):
         assert f"| simple | {variant} |" in md
     assert (tmp_path / "memory_report.png").stat().st_size > 1000
     r = json.loads((tmp_path / "memory_report.json").read_text())["simple"]
-    assert r["all_peaks"]["fused argmax"]["32"] < r["all_peaks"]["stock"]["32"]
+    assert r["all_peaks"]["fused argmax"]["64"] < r["all_peaks"]["stock"]["64"]
     assert r["largest"]["fused argmax"] > r["largest"]["stock"]
 
 
