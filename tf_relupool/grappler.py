@@ -28,7 +28,7 @@ LIBRARY_ENV_VAR = "TF_RELUPOOL_GRAPPLER_LIBRARY"  # another library holding the 
 DEVICE_TYPES = ("CPU", "GPU")
 MODE_CODES = {None: 0, "argmax": 1, "input": 2}
 STAT_NAMES = ("calls", "calls_switch_off", "graphs_rewritten", "fused_with_grad",
-              "fused_forward_only", "fused_conv_relu", "not_fused", "errors", "nanos", "bytes_in")
+              "fused_forward_only", "fused_conv_relu", "not_fused", "errors", "nanos", "bytes_in", "parse_nanos")
 
 logger = logging.getLogger("tf_relupool")
 _lock = threading.RLock()
@@ -164,7 +164,8 @@ def stats():
     graphs_rewritten; fused_with_grad / fused_forward_only: fusions applied; fused_conv_relu:
     fusions on a remapper _FusedConv2D(BiasAdd, Relu); not_fused: ReLU + MaxPool pairs left in
     place (last_skip says why); errors: unexpected errors, the graph was left unchanged
-    (last_error); nanos: time spent in the pass; bytes_in: serialized graph bytes received.
+    (last_error); nanos: time spent in the pass, parse_nanos of it parsing the GraphDef;
+    bytes_in: serialized graph bytes received (only counted past the switch-off check).
     """
     if _lib is None:
         return dict.fromkeys(STAT_NAMES, 0) | {"last_error": "", "last_skip": ""}

@@ -37,6 +37,7 @@
 #include <exception>
 #include <mutex>
 #include <set>
+#include <stdexcept>
 #include <string>
 #include <unordered_map>
 #include <unordered_set>
@@ -44,6 +45,7 @@
 #include <vector>
 
 #include "tensorflow/c/experimental/grappler/grappler.h"
+#include "google/protobuf/arena.h"
 #include "tensorflow/core/framework/attr_value.pb.h"
 #include "tensorflow/core/framework/graph.pb.h"
 #include "tensorflow/core/framework/node_def.pb.h"
@@ -76,6 +78,7 @@ enum Stat : int {
   kErrors,             // unexpected errors (graph returned unchanged)
   kNanos,              // time spent inside optimize_func (ns)
   kBytesIn,            // serialized GraphDef bytes received
+  kParseNanos,         // of kNanos, parsing the GraphDef
   kNumStats
 };
 std::atomic<int64_t> g_stats[kNumStats];
@@ -87,6 +90,10 @@ std::string g_registered;  // guarded by g_text_mu: "CPU,GPU" as registered
 std::string g_next_device_type = "CPU";  // guarded by g_text_mu
 std::deque<std::string> g_device_type_storage;  // stable char* for TF (it keeps the pointer)
 std::atomic<bool> g_verbose{false};
+// Test hook (tf_relupool_grappler_inject_fault): 1 throw inside the pass, 2 return TF_INTERNAL,
+// 3 return bytes that are no GraphDef, 4 return a GraphDef with a dangling input (bypassing the
+// pass's own check). Used to show what TensorFlow does with each.
+std::atomic<int> g_fault{0};
 
 void SetText(std::string* dst, const std::string& value) {
   std::lock_guard<std::mutex> lock(g_text_mu);
@@ -243,23 +250,26 @@ class Rewriter {
  public:
   Rewriter(GraphDef* graph, int mode, const std::unordered_set<std::string>* preserve)
       : g_(graph), mode_(mode), preserve_(preserve) {
+    index_.reserve(g_->node_size());
     for (int i = 0; i < g_->node_size(); ++i) index_[g_->node(i).name()] = i;
-    for (int i = 0; i < g_->node_size(); ++i) {
-      const NodeDef& n = g_->node(i);
-      for (int pos = 0; pos < n.input_size(); ++pos) {
-        Input in = ParseInput(n.input(pos));
-        if (in.index < 0) continue;
-        consumers_[in.node + ":" + std::to_string(in.index)].push_back({i, pos});
-        if (in.index > 0) has_port_gt0_.insert(in.node);
-      }
-    }
   }
 
   // Number of fusions applied.
   int Run() {
-    std::vector<Plan> plans;
+    // Candidates first (a MaxPool fed by a Relu or a _FusedConv2D): most graphs have none, and
+    // then the consumer index below is never built.
+    std::vector<int> pools;
     for (int i = 0; i < g_->node_size(); ++i) {
-      if (g_->node(i).op() != "MaxPool") continue;
+      const NodeDef& n = g_->node(i);
+      if (n.op() != "MaxPool" || n.input_size() == 0 || IsControl(n.input(0))) continue;
+      const int src = Find(ParseInput(n.input(0)).node);
+      if (src >= 0 && (node(src).op() == "Relu" || node(src).op() == "_FusedConv2D"))
+        pools.push_back(i);
+    }
+    if (pools.empty()) return 0;
+    IndexConsumers();
+    std::vector<Plan> plans;
+    for (int i : pools) {
       Plan p;
       if (Match(i, &p)) plans.push_back(p);
     }
@@ -271,6 +281,23 @@ class Rewriter {
 
  private:
   const NodeDef& node(int i) const { return g_->node(i); }
+
+  // Data consumers of the nodes a pattern can involve (Relu, _FusedConv2D, MaxPoolGrad).
+  void IndexConsumers() {
+    for (int i = 0; i < g_->node_size(); ++i) {
+      const NodeDef& n = g_->node(i);
+      for (int pos = 0; pos < n.input_size(); ++pos) {
+        if (IsControl(n.input(pos))) continue;
+        Input in = ParseInput(n.input(pos));
+        const int src = Find(in.node);
+        if (src < 0) continue;
+        const std::string& op = node(src).op();
+        if (op != "Relu" && op != "_FusedConv2D" && op != "MaxPoolGrad") continue;
+        if (in.index > 0) has_port_gt0_.insert(in.node);
+        consumers_[in.node + ":" + std::to_string(in.index)].push_back({i, pos});
+      }
+    }
+  }
   int Find(const std::string& name) const {
     auto it = index_.find(name);
     return it == index_.end() ? -1 : it->second;
@@ -497,31 +524,34 @@ class Rewriter {
 
   // Drops removed nodes, moves control edges on them to their replacements, appends new nodes.
   void Finish() {
-    google::protobuf::RepeatedPtrField<NodeDef> kept;
-    for (NodeDef& n : *g_->mutable_node()) {
-      if (removed_.count(n.name())) continue;
+    auto* nodes = g_->mutable_node();
+    int kept = 0;
+    for (int r = 0; r < nodes->size(); ++r) {
+      NodeDef* n = nodes->Mutable(r);
+      if (removed_.count(n->name())) continue;
       bool touches = false;
-      for (const auto& in : n.input())
+      for (const auto& in : n->input())
         touches = touches || (IsControl(in) && removed_.count(in.substr(1)));
       if (touches) {
         std::vector<std::string> fixed;
         std::set<std::string> seen_controls;
-        for (const auto& in : n.input()) {
+        for (const auto& in : n->input()) {
           std::string v = in;
           if (IsControl(v)) {
             auto it = removed_.find(v.substr(1));
             if (it != removed_.end()) v = "^" + it->second;
-            if (v.substr(1) == n.name() || !seen_controls.insert(v).second) continue;
+            if (v.substr(1) == n->name() || !seen_controls.insert(v).second) continue;
           }
           fixed.push_back(v);
         }
-        n.clear_input();
-        for (auto& v : fixed) n.add_input(v);
+        n->clear_input();
+        for (auto& v : fixed) n->add_input(v);
       }
-      kept.Add(std::move(n));
+      if (kept != r) nodes->SwapElements(kept, r);
+      ++kept;
     }
-    for (NodeDef& n : added_) kept.Add(std::move(n));
-    g_->mutable_node()->Swap(&kept);
+    nodes->DeleteSubrange(kept, nodes->size() - kept);
+    for (NodeDef& n : added_) *g_->add_node() = std::move(n);
   }
 
   GraphDef* g_;
@@ -534,6 +564,16 @@ class Rewriter {
   std::unordered_set<std::string> added_names_;
   std::vector<NodeDef> added_;
 };
+
+// Every input of every node names a node of the graph ("" when so, else the first problem).
+std::string DanglingInput(const GraphDef& graph) {
+  std::unordered_set<std::string> names;
+  for (const auto& n : graph.node()) names.insert(n.name());
+  for (const auto& n : graph.node())
+    for (const auto& in : n.input())
+      if (!names.count(ParseInput(in).node)) return "'" + n.name() + "' input '" + in + "'";
+  return "";
+}
 
 void RecordError(const std::string& what) {
   g_stats[kErrors]++;
@@ -558,17 +598,46 @@ void Optimize(void*, const TF_Buffer* graph_buf, const TF_GrapplerItem* item,
     return;
   }
   try {
+    const int fault = g_fault.load();
+    if (fault == 1) throw std::runtime_error("injected fault");
+    if (fault == 2) {
+      TF_SetStatus(status, TF_INTERNAL, "tf_relupool: injected TF_INTERNAL");
+      return;
+    }
+    if (fault == 3) {
+      static const char kJunk[] = "\xff\xff\xff\xff not a GraphDef";
+      void* data = malloc(sizeof(kJunk));
+      memcpy(data, kJunk, sizeof(kJunk));
+      optimized_buf->data = data;
+      optimized_buf->length = sizeof(kJunk);
+      optimized_buf->data_deallocator = DeallocateBuffer;
+      TF_SetStatus(status, TF_OK, "");
+      return;
+    }
     g_stats[kBytesIn] += graph_buf->length;
     // Cheap pre-check on the serialized bytes: no "MaxPool" op name, nothing to do.
     if (memmem(graph_buf->data, graph_buf->length, "MaxPool", 7) != nullptr) {
-      GraphDef graph;
-      if (!graph.ParseFromArray(graph_buf->data, static_cast<int>(graph_buf->length))) {
+      // An arena: parsing and freeing ~10^4 small messages costs several times less.
+      google::protobuf::Arena arena;
+      GraphDef& graph = *google::protobuf::Arena::Create<GraphDef>(&arena);
+      const auto parse_start = std::chrono::steady_clock::now();
+      const bool parsed =
+          graph.ParseFromArray(graph_buf->data, static_cast<int>(graph_buf->length));
+      g_stats[kParseNanos] += std::chrono::duration_cast<std::chrono::nanoseconds>(
+                                  std::chrono::steady_clock::now() - parse_start).count();
+      if (!parsed) {
         RecordError("could not parse the GraphDef TensorFlow passed in");
       } else {
         std::unordered_set<std::string> preserve;
         const bool have_preserve = NodesToPreserve(item, &preserve);
         if (!have_preserve) RecordError("TF_GetNodesToPreserveList is not available");
-        const int fused = have_preserve ? Rewriter(&graph, mode, &preserve).Run() : 0;
+        int fused = have_preserve ? Rewriter(&graph, mode, &preserve).Run() : 0;
+        if (fused > 0 && fault == 4) graph.mutable_node(0)->add_input("tf_relupool_no_such_node");
+        const std::string dangling = fused > 0 && fault != 4 ? DanglingInput(graph) : "";
+        if (!dangling.empty()) {
+          RecordError("internal error, rewritten graph has a dangling input: " + dangling);
+          fused = 0;
+        }
         if (fused > 0) {
           const size_t size = graph.ByteSizeLong();
           void* data = malloc(size);
@@ -668,6 +737,10 @@ __attribute__((visibility("default"))) void tf_relupool_grappler_set_mode(int mo
 }
 
 __attribute__((visibility("default"))) int tf_relupool_grappler_mode() { return g_mode.load(); }
+
+__attribute__((visibility("default"))) void tf_relupool_grappler_inject_fault(int fault) {
+  g_fault.store(fault);
+}
 
 __attribute__((visibility("default"))) void tf_relupool_grappler_set_verbose(int verbose) {
   g_verbose.store(verbose != 0);
