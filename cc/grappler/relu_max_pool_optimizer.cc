@@ -240,6 +240,7 @@ std::string PoolAttrProblem(const NodeDef& pool) {
 struct Plan {
   int relu = -1;       // Relu or _FusedConv2D node index
   bool fused_conv = false;
+  bool relu_of_pool = false;  // Relu(MaxPool(z)): the order TF's arithmetic optimizer makes
   int pool = -1;
   int pool_grad = -1;  // -1: forward only
   int relu_grad = -1;
@@ -258,20 +259,34 @@ class Rewriter {
   int Run() {
     // Candidates first (a MaxPool fed by a Relu or a _FusedConv2D): most graphs have none, and
     // then the consumer index below is never built.
-    std::vector<int> pools;
+    std::vector<int> pools, relus;
     for (int i = 0; i < g_->node_size(); ++i) {
       const NodeDef& n = g_->node(i);
-      if (n.op() != "MaxPool" || n.input_size() == 0 || IsControl(n.input(0))) continue;
+      const bool pool = n.op() == "MaxPool";
+      if ((!pool && n.op() != "Relu") || n.input_size() == 0 || IsControl(n.input(0))) continue;
       const int src = Find(ParseInput(n.input(0)).node);
-      if (src >= 0 && (node(src).op() == "Relu" || node(src).op() == "_FusedConv2D"))
-        pools.push_back(i);
+      if (src < 0) continue;
+      const std::string& src_op = node(src).op();
+      if (pool && (src_op == "Relu" || src_op == "_FusedConv2D")) pools.push_back(i);
+      if (!pool && src_op == "MaxPool") relus.push_back(i);
     }
-    if (pools.empty()) return 0;
+    if (pools.empty() && relus.empty()) return 0;
     IndexConsumers();
     std::vector<Plan> plans;
+    std::unordered_set<int> claimed;  // MaxPool nodes taken by a plan
     for (int i : pools) {
       Plan p;
-      if (Match(i, &p)) plans.push_back(p);
+      if (Match(i, &p)) {
+        plans.push_back(p);
+        claimed.insert(i);
+      }
+    }
+    for (int i : relus) {
+      Plan p;
+      if (MatchReluOfPool(i, claimed, &p)) {
+        plans.push_back(p);
+        claimed.insert(p.pool);
+      }
     }
     if (plans.empty()) return 0;
     for (const Plan& p : plans) Apply(p);
@@ -282,7 +297,7 @@ class Rewriter {
  private:
   const NodeDef& node(int i) const { return g_->node(i); }
 
-  // Data consumers of the nodes a pattern can involve (Relu, _FusedConv2D, MaxPoolGrad).
+  // Data consumers of the nodes a pattern can involve.
   void IndexConsumers() {
     for (int i = 0; i < g_->node_size(); ++i) {
       const NodeDef& n = g_->node(i);
@@ -292,7 +307,8 @@ class Rewriter {
         const int src = Find(in.node);
         if (src < 0) continue;
         const std::string& op = node(src).op();
-        if (op != "Relu" && op != "_FusedConv2D" && op != "MaxPoolGrad") continue;
+        if (op != "Relu" && op != "_FusedConv2D" && op != "MaxPoolGrad" && op != "MaxPool")
+          continue;
         if (in.index > 0) has_port_gt0_.insert(in.node);
         consumers_[in.node + ":" + std::to_string(in.index)].push_back({i, pos});
       }
@@ -419,6 +435,36 @@ class Rewriter {
     return true;
   }
 
+  // Relu(MaxPool(z)) with the MaxPool's only consumer the Relu: TF's arithmetic optimizer
+  // (OptimizeMaxOrMinOfMonotonicStage) swaps MaxPool(Relu(z)) into this order when the Relu has
+  // no other consumer, i.e. in forward-only graphs. One ReluMaxPool(z) named as the Relu.
+  bool MatchReluOfPool(int relu_i, const std::unordered_set<int>& claimed, Plan* plan) {
+    const NodeDef& relu = node(relu_i);
+    const Input src = ParseInput(relu.input(0));
+    const int pool_i = Find(src.node);
+    if (pool_i < 0 || src.index != 0 || claimed.count(pool_i)) return false;
+    const NodeDef& pool = node(pool_i);
+    const tensorflow::DataType t = TypeAttr(pool, "T");
+    if (!SupportedType(t) || TypeAttr(relu, "T") != t)
+      return Skip(pool, "dtype " + tensorflow::DataTypeString(t) + " not supported");
+    std::string problem = PoolAttrProblem(pool);
+    if (!problem.empty()) return Skip(pool, problem);
+    const auto& users = Consumers(pool.name(), 0);
+    if (users.size() != 1 || users[0].first != relu_i || DataInputs(pool).size() != 1 ||
+        DataInputs(relu).size() != 1)
+      return Skip(pool, "its output feeds more than the Relu '" + relu.name() + "'");
+    if (Preserved(pool_i)) return Skip(pool, "it must be preserved (fetch/feed)");
+    plan->relu_of_pool = true;
+    plan->relu = relu_i;
+    plan->pool = pool_i;
+    plan->z = DataInputs(pool)[0];
+    NodeDef fwd;
+    BuildForward(*plan, &fwd);
+    if (!KernelExists(fwd, fwd.device()))
+      return Skip(pool, "no " + fwd.op() + " kernel for device '" + fwd.device() + "'");
+    return true;
+  }
+
   void SetPoolAttrs(const NodeDef& pool, NodeDef* n) {
     auto* attr = n->mutable_attr();
     for (const char* name : {"T", "ksize", "strides", "padding"}) (*attr)[name] = *Attr(pool, name);
@@ -431,8 +477,9 @@ class Rewriter {
   void BuildForward(const Plan& p, NodeDef* fwd) {
     const NodeDef& pool = node(p.pool);
     const NodeDef& relu = node(p.relu);
-    fwd->set_name(pool.name());
-    fwd->set_device(pool.device());
+    const NodeDef& named = p.relu_of_pool ? relu : pool;  // the node whose consumers it serves
+    fwd->set_name(named.name());
+    fwd->set_device(named.device());
     fwd->set_op(WithArgmax(p) ? "ReluMaxPoolWithWindowArgmax" : "ReluMaxPool");
     fwd->add_input(p.z);
     if (!p.fused_conv)
@@ -484,6 +531,15 @@ class Rewriter {
     NodeDef fwd;
     BuildForward(p, &fwd);
     const NodeDef& relu = node(p.relu);
+    if (p.relu_of_pool) {
+      removed_[node(p.pool).name()] = relu.name();
+      g_stats[kFusedForwardOnly]++;
+      if (g_verbose.load())
+        LOG(INFO) << "tf_relupool grappler: fused MaxPool '" << node(p.pool).name()
+                  << "' + Relu '" << relu.name() << "' -> ReluMaxPool";
+      *g_->mutable_node(p.relu) = std::move(fwd);
+      return;
+    }
     if (p.fused_conv) {
       // The convolution now produces z: drop its ReLU.
       NodeDef* conv = g_->mutable_node(p.relu);
