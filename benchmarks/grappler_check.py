@@ -10,7 +10,7 @@ data, and prints:
   - peak allocator bytes of one step (BFC allocator on the CPU), and the step time.
 
     TF_CPU_ALLOCATOR_USE_BFC=true python benchmarks/grappler_check.py [--keep argmax|input]
-        [--model raw|keras] [--batch 64]
+        [--model raw|keras] [--batch 64] [--device CPU|GPU] [--deterministic]
 """
 import argparse
 import os
@@ -102,11 +102,13 @@ def executed_op_types(fn, args):
     return types
 
 
-def run(keep, model, batch, repeats):
+def run(keep, model, batch, repeats, device="CPU"):
     build = raw_model if model == "raw" else keras_model
+    mem = f"{device}:0"
     results = {}
     for label, mode in (("switch off", None), (f"switch on ({keep})", keep)):
-        weights, step, args = build(batch)
+        with tf.device(mem):
+            weights, step, args = build(batch)
         if mode is None:
             tf_relupool.disable_recompute()
         else:
@@ -118,10 +120,10 @@ def run(keep, model, batch, repeats):
         st = grappler.stats()
         for w, w0 in zip(weights, initial):  # same start for the measured step
             w.assign(w0)
-        tf.config.experimental.reset_memory_stats("CPU:0")
-        before = tf.config.experimental.get_memory_info("CPU:0")["current"]
+        tf.config.experimental.reset_memory_stats(mem)
+        before = tf.config.experimental.get_memory_info(mem)["current"]
         loss, grads = fn(*args)
-        peak = tf.config.experimental.get_memory_info("CPU:0")["peak"] - before
+        peak = tf.config.experimental.get_memory_info(mem)["peak"] - before
         values = [loss.numpy()] + [g.numpy() for g in grads] + [w.numpy() for w in weights]
         times = []
         for _ in range(repeats):
@@ -139,9 +141,14 @@ def main():
     p.add_argument("--model", default="raw", choices=["raw", "keras"])
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--device", default="CPU", choices=["CPU", "GPU"])
+    p.add_argument("--deterministic", action="store_true",
+                   help="tf.config.experimental.enable_op_determinism() (GPU convolutions)")
     a = p.parse_args()
     tf.config.threading.set_inter_op_parallelism_threads(1)
-    res = run(a.keep, a.model, a.batch, a.repeats)
+    if a.deterministic:
+        tf.config.experimental.enable_op_determinism()
+    res = run(a.keep, a.model, a.batch, a.repeats, a.device)
     (off_label, off), (on_label, on) = res.items()
     for label, r in res.items():
         seen = {k: v for k, v in sorted(r["types"].items()) if k in FUSED_OPS | STOCK_OPS
