@@ -10,7 +10,7 @@ data, and prints:
   - peak allocator bytes of one step (BFC allocator on the CPU), and the step time.
 
     TF_CPU_ALLOCATOR_USE_BFC=true python benchmarks/grappler_check.py [--keep argmax|input]
-        [--model raw|keras] [--batch 64] [--device CPU|GPU] [--deterministic]
+        [--model raw|keras] [--batch 64] [--device CPU|GPU] [--deterministic] [--no-layout]
 """
 import argparse
 import os
@@ -144,8 +144,11 @@ def main():
     p.add_argument("--device", default="CPU", choices=["CPU", "GPU"])
     p.add_argument("--deterministic", action="store_true",
                    help="tf.config.experimental.enable_op_determinism() (GPU convolutions)")
+    p.add_argument("--no-layout", action="store_true", help="Grappler's layout optimizer off")
     a = p.parse_args()
     tf.config.threading.set_inter_op_parallelism_threads(1)
+    if a.no_layout:
+        tf.config.optimizer.set_experimental_options({"layout_optimizer": False})
     if a.deterministic:
         tf.config.experimental.enable_op_determinism()
     res = run(a.keep, a.model, a.batch, a.repeats, a.device)

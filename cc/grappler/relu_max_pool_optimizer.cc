@@ -14,7 +14,10 @@
 //                   keep "input"  -> ReluMaxPool(z), ReluMaxPoolGrad(z, dy)
 //   remapper's fused convolution (Keras Conv2D(activation="relu") after TF's remapper):
 //                   _FusedConv2D(fused_ops=[BiasAdd, Relu]) in place of Relu(z), with gradient:
-//                   the convolution drops its Relu (fused_ops=[BiasAdd]) and produces z.
+//                   the convolution drops its Relu and produces z: fused_ops=[BiasAdd] on the
+//                   CPU, Conv2D + BiasAdd elsewhere (the GPU kernel rejects [BiasAdd] alone)
+//   forward only, after TF's arithmetic optimizer swapped them:
+//                   Relu(MaxPool(z))                    -> ReluMaxPool(z)
 //
 // The Relu's output must have no consumers other than these; the fused forward takes the
 // MaxPool's name and the fused gradient the ReluGrad's name, so their consumers need no change;
@@ -423,6 +426,12 @@ class Rewriter {
     plan->z = fused_conv ? relu.name() : DataInputs(relu)[0];
 
     // The replacement nodes must have kernels on their devices.
+    if (fused_conv && !CpuDevice(relu)) {
+      NodeDef conv, bias;
+      SplitFusedConv(relu, "unused_conv_name", &conv, &bias);
+      if (!KernelExists(conv, conv.device()) || !KernelExists(bias, bias.device()))
+        return Skip(pool, "no Conv2D/BiasAdd kernel for device '" + relu.device() + "'");
+    }
     NodeDef fwd, bwd;
     BuildForward(*plan, &fwd);
     if (!KernelExists(fwd, fwd.device()))
@@ -463,6 +472,35 @@ class Rewriter {
     if (!KernelExists(fwd, fwd.device()))
       return Skip(pool, "no " + fwd.op() + " kernel for device '" + fwd.device() + "'");
     return true;
+  }
+
+  static bool CpuDevice(const NodeDef& n) { return DeviceType(n.device()) == "CPU"; }
+
+  // _FusedConv2D(x, filter, bias; fused_ops=[BiasAdd, Relu]) without its ReLU, off the CPU:
+  // TF's GPU _FusedConv2D kernel rejects fused_ops=[BiasAdd] alone when it runs ("Fusion is not
+  // implemented: [BiasAdd]", conv_ops_fused_impl.h), so the convolution is split back into
+  // Conv2D + BiasAdd (the BiasAdd keeps the fused node's name).
+  void SplitFusedConv(const NodeDef& f, const std::string& conv_name, NodeDef* conv,
+                      NodeDef* bias) {
+    const std::vector<std::string> in = DataInputs(f);
+    conv->set_name(conv_name);
+    conv->set_op("Conv2D");
+    conv->set_device(f.device());
+    conv->add_input(in.size() > 0 ? in[0] : "");
+    conv->add_input(in.size() > 1 ? in[1] : "");
+    for (const auto& c : ControlInputs(f)) conv->add_input(c);
+    for (const char* name : {"T", "strides", "use_cudnn_on_gpu", "padding", "explicit_paddings",
+                             "data_format", "dilations"}) {
+      const AttrValue* a = Attr(f, name);
+      if (a != nullptr) (*conv->mutable_attr())[name] = *a;
+    }
+    bias->set_name(f.name());
+    bias->set_op("BiasAdd");
+    bias->set_device(f.device());
+    bias->add_input(conv_name);
+    bias->add_input(in.size() > 2 ? in[2] : "");
+    (*bias->mutable_attr())["T"] = *Attr(f, "T");
+    (*bias->mutable_attr())["data_format"].set_s(StringAttr(f, "data_format", "NHWC"));
   }
 
   void SetPoolAttrs(const NodeDef& pool, NodeDef* n) {
@@ -540,11 +578,18 @@ class Rewriter {
       *g_->mutable_node(p.relu) = std::move(fwd);
       return;
     }
-    if (p.fused_conv) {
-      // The convolution now produces z: drop its ReLU.
+    if (p.fused_conv && CpuDevice(relu)) {
+      // The convolution now produces z: drop its ReLU (the CPU kernels, Eigen and oneDNN, run
+      // fused_ops=[BiasAdd]; the values before the ReLU are the same bits).
       NodeDef* conv = g_->mutable_node(p.relu);
       auto* ops = (*conv->mutable_attr())["fused_ops"].mutable_list()->mutable_s();
       ops->RemoveLast();
+      g_stats[kFusedConvRelu]++;
+    } else if (p.fused_conv) {
+      NodeDef conv, bias;
+      SplitFusedConv(relu, UniqueName(relu.name() + "/conv"), &conv, &bias);
+      added_.push_back(std::move(conv));
+      *g_->mutable_node(p.relu) = std::move(bias);
       g_stats[kFusedConvRelu]++;
     } else {
       removed_[relu.name()] = node(p.pool).name();
