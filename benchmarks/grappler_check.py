@@ -31,18 +31,23 @@ FUSED_OPS = {"ReluMaxPool", "ReluMaxPoolGrad", "ReluMaxPoolWithWindowArgmax",
 STOCK_OPS = {"Relu", "ReluGrad", "MaxPool", "MaxPoolGrad"}
 
 
-def raw_model(batch, seed=0):
+def raw_model(batch, seed=0, api_keep=None):
     rng = np.random.default_rng(seed)
     shapes = [[3, 3, 3, 32], [3, 3, 32, 64], [8 * 8 * 64, 10]]
     weights = [tf.Variable(rng.normal(0, 0.2, s).astype(np.float32)) for s in shapes]
     x = tf.constant(rng.normal(0, 1, [batch, 64, 64, 3]).astype(np.float32))
     y = tf.constant(rng.integers(0, 10, [batch]).astype(np.int32))
 
+    def pool(z, k):
+        if api_keep is None:
+            return tf.nn.max_pool2d(tf.nn.relu(z), k, k, "VALID")
+        return tf_relupool.relu_max_pool2d(z, k, k, "VALID", keep=api_keep)
+
     def step(x, y):
         w1, w2, wd = weights
         with tf.GradientTape() as tape:
-            h = tf.nn.max_pool2d(tf.nn.relu(tf.nn.conv2d(x, w1, 1, "SAME")), 2, 2, "VALID")
-            h = tf.nn.max_pool2d(tf.nn.relu(tf.nn.conv2d(h, w2, 1, "SAME")), 4, 4, "VALID")
+            h = pool(tf.nn.conv2d(x, w1, 1, "SAME"), 2)
+            h = pool(tf.nn.conv2d(h, w2, 1, "SAME"), 4)
             logits = tf.reshape(h, [tf.shape(h)[0], -1]) @ wd
             loss = tf.reduce_mean(
                 tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=logits))
@@ -103,12 +108,17 @@ def executed_op_types(fn, args):
 
 
 def run(keep, model, batch, repeats, device="CPU"):
-    build = raw_model if model == "raw" else keras_model
     mem = f"{device}:0"
     results = {}
     for label, mode in (("switch off", None), (f"switch on ({keep})", keep)):
         with tf.device(mem):
-            weights, step, args = build(batch)
+            if model == "keras":
+                weights, step, args = keras_model(batch)
+            else:  # "api": tf_relupool.relu_max_pool2d called explicitly, the switch-on run
+                api_keep = keep if model == "api" and mode is not None else None
+                weights, step, args = raw_model(batch, api_keep=api_keep)
+        if model == "api":  # the explicit API, no Grappler rewrite: the pass's baseline
+            mode = None
         if mode is None:
             tf_relupool.disable_recompute()
         else:
@@ -138,7 +148,9 @@ def run(keep, model, batch, repeats, device="CPU"):
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--keep", default="argmax", choices=["argmax", "input"])
-    p.add_argument("--model", default="raw", choices=["raw", "keras"])
+    p.add_argument("--model", default="raw", choices=["raw", "keras", "api"],
+                   help="api: the raw model with tf_relupool.relu_max_pool2d written in it "
+                        "(switch off) against stock: what the ops give without the pass")
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--device", default="CPU", choices=["CPU", "GPU"])
