@@ -163,3 +163,28 @@ def test_environment_opt_out():
         print(json.dumps(dict(ops=ops, types=grappler.registered_device_types())))
     """, env={"TF_RELUPOOL_GRAPPLER": "0"})
     assert "MaxPool" in r["ops"] and r["types"] == []
+
+
+def test_switch_from_environment_and_unknown_batch():
+    r = run_case("""
+        w, x = make()
+        step = tf.function(train_step_fn(w),
+                           input_signature=[tf.TensorSpec([None, 12, 12, 3], tf.float32)])
+        out, ops = ran_ops(step, x)
+        print(json.dumps(dict(ops=ops, mode=grappler.mode(), stats=grappler.stats())))
+    """, env={"TF_RELUPOOL_RECOMPUTE": "argmax"})
+    assert r["mode"] == "argmax"
+    assert "ReluMaxPoolGradFromWindowArgmax" in r["ops"] and "Shape" in r["ops"], r["ops"]
+    assert r["stats"]["fused_with_grad"] == 1
+
+
+def test_error_inside_the_pass_leaves_the_function_working():
+    r = run_case("""
+        tf_relupool.enable_recompute()
+        grappler._lib.tf_relupool_grappler_inject_fault(1)  # throw inside the pass
+        w, x = make()
+        out, ops = ran_ops(tf.function(train_step_fn(w)), x)
+        print(json.dumps(dict(ops=ops, stats=grappler.stats())))
+    """)
+    assert "MaxPool" in r["ops"] and "ReluMaxPool" not in r["ops"]
+    assert r["stats"]["errors"] >= 1 and "injected" in r["stats"]["last_error"]
