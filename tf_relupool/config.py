@@ -77,6 +77,7 @@ def enable_recompute(keep=KEEP_ARGMAX):
     keep = _check_keep(keep, allow_off=False)
     with _lock:
         _mode = keep
+        _notify_grappler()
 
 
 def disable_recompute():
@@ -84,6 +85,7 @@ def disable_recompute():
     global _mode
     with _lock:
         _mode = None
+        _notify_grappler()
 
 
 def recompute_mode():
@@ -115,11 +117,19 @@ def recompute(keep=KEEP_ARGMAX):
     keep = _check_keep(keep, allow_off=True)
     with _lock:
         previous, _mode = _mode, keep
+        _notify_grappler()
     try:
         yield keep
     finally:
         with _lock:
             _mode = previous
+            _notify_grappler()
+
+
+def _notify_grappler():
+    """Passes the switch to the graph optimizer inside TensorFlow (tf_relupool/grappler.py)."""
+    from tf_relupool import grappler  # late: grappler loads the op library
+    grappler.set_mode(_mode)
 
 
 def _init_from_environment():
@@ -135,6 +145,7 @@ def _init_from_environment():
         _mode = None
     if _mode is not None:
         logger.info("recompute switch on from %s=%r: keep=%r", ENV_VAR, value, _mode)
+        _notify_grappler()
 
 
 _init_from_environment()

@@ -1,0 +1,184 @@
+"""The recompute switch inside Grappler: enable_recompute() fuses stock code.
+
+The op library also holds a Grappler graph optimizer (cc/grappler/relu_max_pool_optimizer.cc),
+registered with TensorFlow through its pluggable graph optimizer C API (`TF_InitGraph`, loaded by
+`load_pluggable_device_library`). TensorFlow then runs it on every graph it optimizes, after its
+own passes: every `tf.function`, Keras' train/predict functions. While the switch is on it
+rewrites `max_pool2d(relu(z))` (and its gradient `ReluGrad(MaxPoolGrad(...))`) into the fused ops,
+so stock code (`tf.nn.relu` + `tf.nn.max_pool2d`, Keras `Conv2D(activation="relu")` +
+`MaxPooling2D`) gets the fused ops without a change.
+
+When: the optimizer is registered the first time the switch is turned on (so a process that
+never turns it on pays nothing); it reads the switch each time TensorFlow optimizes a graph,
+which happens when a traced function is first run (instantiated), not at every step. As with
+layers, set the switch before the function's first call (before `fit`).
+
+`TF_RELUPOOL_GRAPPLER=0` in the environment keeps the optimizer unregistered (the switch then
+affects only tf_relupool's own layers, as before). cc/grappler/README.md has the details.
+"""
+import ctypes
+import logging
+import os
+import threading
+
+from tf_relupool import _loader
+
+ENV_VAR = "TF_RELUPOOL_GRAPPLER"
+LIBRARY_ENV_VAR = "TF_RELUPOOL_GRAPPLER_LIBRARY"  # another library holding the optimizer
+DEVICE_TYPES = ("CPU", "GPU")
+MODE_CODES = {None: 0, "argmax": 1, "input": 2}
+STAT_NAMES = ("calls", "calls_switch_off", "graphs_rewritten", "fused_with_grad",
+              "fused_forward_only", "fused_conv_relu", "not_fused", "errors", "nanos", "bytes_in", "parse_nanos")
+
+logger = logging.getLogger("tf_relupool")
+_lock = threading.RLock()
+_lib = None            # ctypes handle on the library holding the optimizer
+_registered = False
+_failure = None        # why registration failed, once it has
+
+
+class GrapplerUnavailable(RuntimeError):
+    """The graph optimizer could not be registered (see the message)."""
+
+
+def library_path():
+    return os.environ.get(LIBRARY_ENV_VAR) or _loader.library_path()
+
+
+def _disabled_by_environment():
+    return os.environ.get(ENV_VAR, "").strip().lower() in ("0", "off", "false", "no")
+
+
+def _c_library():
+    """ctypes handle on the optimizer's library (the op library, loaded by TensorFlow first)."""
+    global _lib
+    if _lib is None:
+        path = library_path()
+        if path == _loader.library_path():
+            # TensorFlow must dlopen it first (tf.load_op_library records the ops a library
+            # registers while it loads it); ctypes then gets the same handle.
+            _loader.load_library()
+        lib = ctypes.CDLL(path)
+        if not hasattr(lib, "TF_InitGraph"):
+            raise GrapplerUnavailable(
+                f"{path} holds no graph optimizer (built without cc/grappler/): rebuild it")
+        lib.tf_relupool_grappler_stats.argtypes = [ctypes.POINTER(ctypes.c_int64), ctypes.c_int]
+        lib.tf_relupool_grappler_text.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int]
+        lib.tf_relupool_grappler_registered.argtypes = [ctypes.c_char_p, ctypes.c_int]
+        lib.tf_relupool_grappler_set_next_device_type.argtypes = [ctypes.c_char_p]
+        _lib = lib
+    return _lib
+
+
+def _alias(path, i):
+    """The i-th distinct spelling of `path` (same file). TF_LoadPluggableDeviceLibrary caches
+    by file name and calls TF_InitGraph once per new name; dlopen returns the same handle."""
+    directory, base = os.path.split(os.path.abspath(path))
+    return os.path.join(directory, *(["."] * i), base)
+
+
+def register(device_types=DEVICE_TYPES):
+    """Registers the graph optimizer with TensorFlow for `device_types` (once per process).
+
+    Raises:
+      GrapplerUnavailable: the library holds no optimizer, or loading it failed.
+    """
+    global _registered, _failure
+    with _lock:
+        if _registered:
+            return
+        if _failure is not None:
+            raise GrapplerUnavailable(_failure)
+        try:
+            from tensorflow.python.framework import load_library as tf_load_library
+            lib = _c_library()
+            path = library_path()
+            for i, device_type in enumerate(device_types):
+                lib.tf_relupool_grappler_set_next_device_type(device_type.encode())
+                tf_load_library.load_pluggable_device_library(_alias(path, i))
+        except (OSError, RuntimeError, AttributeError, _loader.OpLibraryError) as e:
+            _failure = f"tf_relupool's graph optimizer could not be registered: {e}"
+            raise GrapplerUnavailable(_failure) from e
+        _registered = True
+        logger.info("tf_relupool: graph optimizer registered for %s", registered_device_types())
+
+
+def registered_device_types():
+    """Device types the optimizer runs for, e.g. ["CPU", "GPU"] ([] before registration)."""
+    if _lib is None:
+        return []
+    buf = ctypes.create_string_buffer(256)
+    _lib.tf_relupool_grappler_registered(buf, len(buf))
+    return [t for t in buf.value.decode().split(",") if t]
+
+
+def set_mode(mode):
+    """Tells the optimizer the switch's value (None, "argmax", "input"); registers it on first
+    use. Called by tf_relupool.config whenever the switch changes. Never raises: a failure
+    leaves the switch working for tf_relupool's layers only, with one warning."""
+    if mode not in MODE_CODES:
+        raise ValueError(f"mode must be one of {tuple(MODE_CODES)}, got {mode!r}")
+    with _lock:
+        if mode is not None and not _registered:
+            if _disabled_by_environment():
+                return
+            try:
+                register()
+            except GrapplerUnavailable as e:
+                if _failure_warned():
+                    logger.warning("%s; enable_recompute() affects tf_relupool's layers only", e)
+                return
+        if _lib is not None:
+            _lib.tf_relupool_grappler_set_mode(MODE_CODES[mode])
+
+
+_warned = []
+
+
+def _failure_warned():
+    """True the first time only."""
+    if _warned:
+        return False
+    _warned.append(True)
+    return True
+
+
+def mode():
+    """The optimizer's own view of the switch (None, "argmax", "input")."""
+    if _lib is None:
+        return None
+    code = _lib.tf_relupool_grappler_mode()
+    return {v: k for k, v in MODE_CODES.items()}[code]
+
+
+def set_verbose(verbose=True):
+    """Logs each fusion and each refusal through TensorFlow's log (INFO level)."""
+    _c_library().tf_relupool_grappler_set_verbose(1 if verbose else 0)
+
+
+def stats():
+    """The optimizer's counters since the last reset_stats(), plus its last texts.
+
+    calls: graphs TensorFlow passed to it (two per graph: Grappler's two iterations);
+    calls_switch_off: of these, returned at once because the switch was off;
+    graphs_rewritten; fused_with_grad / fused_forward_only: fusions applied; fused_conv_relu:
+    fusions on a remapper _FusedConv2D(BiasAdd, Relu); not_fused: ReLU + MaxPool pairs left in
+    place (last_skip says why); errors: unexpected errors, the graph was left unchanged
+    (last_error); nanos: time spent in the pass, parse_nanos of it parsing the GraphDef;
+    bytes_in: serialized graph bytes received (only counted past the switch-off check).
+    """
+    if _lib is None:
+        return dict.fromkeys(STAT_NAMES, 0) | {"last_error": "", "last_skip": ""}
+    values = (ctypes.c_int64 * len(STAT_NAMES))()
+    _lib.tf_relupool_grappler_stats(values, len(STAT_NAMES))
+    out = dict(zip(STAT_NAMES, values))
+    for which, key in ((0, "last_error"), (1, "last_skip")):
+        buf = ctypes.create_string_buffer(2048)
+        _lib.tf_relupool_grappler_text(which, buf, len(buf))
+        out[key] = buf.value.decode(errors="replace")
+    return out
+
+
+def reset_stats():
+    if _lib is not None:
+        _lib.tf_relupool_grappler_reset_stats()
