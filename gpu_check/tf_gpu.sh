@@ -5,6 +5,7 @@
 #   test     make gpu-test: the whole suite with the GPU visible    -> gpu_test.txt
 #   bench    benchmarks/bench_ops.py --device gpu: op speed vs stock -> bench_gpu.md
 #   memory   benchmarks/memory_report.py on the GPU (MEMORY_ARGS)   -> gpu_memory.md
+#   grappler benchmarks/grappler_gpu.py: the pass on the GPU       -> grappler_gpu.txt
 #   harness  make gpu-check (TensorFlow-free kernel checks + table)  -> gpu_check.txt
 #   sanitize make gpu-sanitize (compute-sanitizer, small sizes)     -> gpu_sanitize.txt
 # Run from the project root with .tfgpu/common and .tfgpu/pkg carried.
@@ -30,6 +31,10 @@ for step in ${STEPS:-test bench}; do
       (cd /tmp && timeout ${MEMORY_TIMEOUT:-360} python3 "$ROOT/benchmarks/memory_report.py" $MEMORY_ARGS) \
         > "$OUT/gpu_memory.txt" 2>&1 || rc=1
       tail -40 "$OUT/gpu_memory.txt" ;;
+    grappler)
+      (cd /tmp && timeout ${GRAPPLER_TIMEOUT:-120} python3 "$ROOT/benchmarks/grappler_gpu.py") \
+        > "$OUT/grappler_gpu.txt" 2>&1 || rc=1
+      tail -30 "$OUT/grappler_gpu.txt" ;;
     harness)
       make --no-print-directory gpu-check GPU_ARCH="-gencode arch=compute_90,code=sm_90" > "$OUT/gpu_check.txt" 2>&1 || rc=1
       grep -E "CHECKS|FAIL|^\|" "$OUT/gpu_check.txt" | tail -30 ;;
