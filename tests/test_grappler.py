@@ -4,6 +4,7 @@ Each test runs in a fresh subprocess: the optimizer is registered once per proce
 switch when TensorFlow optimizes a function (its first call), so every case needs its own
 process state. Skipped when the installed op library holds no optimizer.
 """
+import glob
 import json
 import os
 import subprocess
@@ -134,7 +135,10 @@ def test_relu_with_other_consumers_is_left_alone_and_forward_only_is_fused():
     assert "MaxPool" in r["ops_two"] and "Relu" in r["ops_two"]
     assert "ReluMaxPool" in r["ops_fwd"] and "MaxPool" not in r["ops_fwd"]
     assert r["same"]
-    assert "other consumers" in r["stats"]["last_skip"]
+    # On the CPU the pass meets the pair and says why it left it; on a GPU the layout optimizer
+    # has already put a Transpose between them (NCHW pooling), so it is no candidate at all.
+    if not glob.glob("/dev/nvidia[0-9]*"):
+        assert "other consumers" in r["stats"]["last_skip"]
 
 
 def test_keras_conv_relu_after_remapper_is_fused():
@@ -146,7 +150,10 @@ def test_keras_conv_relu_after_remapper_is_fused():
                               keras.layers.Conv2D(4, 3, activation="relu", padding="same"),
                               keras.layers.MaxPooling2D(), keras.layers.Flatten(),
                               keras.layers.Dense(2)])
-        m.compile("sgd", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        # jit_compile=False: Keras' default "auto" compiles with XLA where a GPU is visible, and
+        # XLA clusters never reach Grappler (cc/grappler/README.md).
+        m.compile("sgd", keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  jit_compile=False)
         h = m.fit(tf.random.normal([8, 16, 16, 3]), tf.zeros([8], tf.int32), epochs=1,
                   verbose=0, batch_size=8)
         print(json.dumps(dict(stats=grappler.stats(), loss=float(h.history["loss"][0]))))

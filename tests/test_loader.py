@@ -76,8 +76,17 @@ def _broken_copy(tmp_path, breakage):
     return dst
 
 
+def src_package_dir():
+    """The directory of the tf_relupool under test (its parent must not shadow the copy)."""
+    return os.path.dirname(os.path.abspath(tf_relupool.__file__))
+
+
 def _first_use(tmp_path, pkg, user=None):
-    env = dict(os.environ, PYTHONPATH=str(pkg.parent), HOME=str(tmp_path),
+    # The broken copy first; then whatever PYTHONPATH held (where TensorFlow lives when it is not
+    # in the interpreter's own site-packages, e.g. the GPU machine's unpacked bundle).
+    path = os.pathsep.join([str(pkg.parent)] + [p for p in os.environ.get("PYTHONPATH", "").split(
+        os.pathsep) if p and os.path.abspath(p) != os.path.dirname(src_package_dir())])
+    env = dict(os.environ, PYTHONPATH=path, HOME=str(tmp_path),
                MPLCONFIGDIR=str(tmp_path), TF_CPP_MIN_LOG_LEVEL="3")
     cmd = [sys.executable, "-c", FIRST_USE]
     if user is not None:
