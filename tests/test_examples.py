@@ -108,7 +108,7 @@ def test_report_bad_input():
 
 @pytest.mark.parametrize("model, batch, modes", [("simple", 64, "off,argmax,input"),
                                                 ("vgg", 32, "off,argmax"),
-                                                ("resnet", 32, "off,argmax")])
+                                                ("resnet", 64, "off,argmax")])
 def test_synthetic_training(tmp_path, model, batch, modes):
     out = tmp_path / "result.json"
     # On a GPU, stock's Grappler remapper fuses Conv2D+BiasAdd+Relu into one cuDNN call whose
@@ -144,14 +144,14 @@ def test_synthetic_training(tmp_path, model, batch, modes):
             assert e_fused["step_losses"] == e_stock["step_losses"], fused["mode"]
         assert fused["test_accuracy"] == stock["test_accuracy"]
     # keep="argmax" keeps 1-byte codes instead of a float tensor per pool: a lower median peak
-    # (0.4-0.8x at these sizes). ResNet-style has one pool, in the stem, and the residual stages
-    # decide its peak: within the step-to-step scheduling noise of stock (about 10%) there.
+    # (0.4-0.85x at these sizes, oneDNN on or off). ResNet-style has one pool, in the stem, so it
+    # runs at batch 64: at 32, without oneDNN (TF_ENABLE_ONEDNN_OPTS=0, CPUs without AVX-512),
+    # stock's Eigen kernels' scratch buffers decide its peak and the fused step's differently
+    # scheduled one came out 1.0-1.23x of stock's (measured); at 64 it is 0.7-0.8x either way.
     stock_peak = stock["epochs"][-1]["median_peak_bytes"]
     argmax_peak = argmax["epochs"][-1]["median_peak_bytes"]
-    if model == "resnet":
-        assert argmax_peak < 1.15 * stock_peak, (argmax_peak, stock_peak)
-    else:
-        assert argmax_peak < 0.9 * stock_peak, (argmax_peak, stock_peak)
+    bound = 1.0 if model == "resnet" else 0.9
+    assert argmax_peak < bound * stock_peak, (argmax_peak, stock_peak)
     assert "per-step training losses bitwise equal across modes: yes" in p.stdout
 
 
