@@ -237,16 +237,8 @@ def _worker(kind, model, args):
 
 
 def _machine():
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    cpu = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
-    return f"{cpu}, {os.cpu_count()} CPU cores, {platform.system()} {platform.release()}"
+    import devices  # examples/devices.py: no TensorFlow import
+    return f"{devices.cpu_description()}, {platform.system()} {platform.release()}"
 
 
 def _library_info():

@@ -66,7 +66,8 @@ def prepare_environment(memory_limit_mib=None, cudnn_workspace_mib=None):
     return os.environ
 
 
-def _cpu_description():
+def cpu_description():
+    """The CPU's model name (from /proc/cpuinfo where there is one) and core count."""
     import platform
     cpu = platform.processor() or platform.machine()
     try:
@@ -119,7 +120,7 @@ def setup(device="auto", memory_limit_mib=None, layout_optimizer=None, remapper=
     else:
         if gpus:
             tf.config.set_visible_devices([], "GPU")
-        description = _cpu_description()
+        description = cpu_description()
     options = {}
     if layout_optimizer is not None:
         options["layout_optimizer"] = bool(layout_optimizer)

@@ -279,15 +279,20 @@ def _codes_for(rng, tf, lib, z, attrs, targmax):
     return codes
 
 
+def _raw_case(rng, tf):
+    """A valid raw-op case: format, shape, input values and attributes."""
+    fmt = _pick(rng, ["NHWC", "NCHW"])
+    shape = _shape(rng, fmt)
+    z = _values(rng, tf, shape, _pick(rng, DTYPES))
+    attrs = dict(ksize=_attr_list(rng, fmt, False), strides=_attr_list(rng, fmt, False),
+                 padding=_pick(rng, ["VALID", "SAME"]), data_format=fmt)
+    return fmt, shape, z, attrs
+
+
 def call_raw_grads(rng, tf, tfr, lib):
     """ReluMaxPoolGrad and ReluMaxPoolGradFromWindowArgmax with good, bad and corrupted inputs."""
     import numpy as np
-    fmt = _pick(rng, ["NHWC", "NCHW"])
-    dtype = _pick(rng, DTYPES)
-    shape = _shape(rng, fmt)
-    z = _values(rng, tf, shape, dtype)
-    attrs = dict(ksize=_attr_list(rng, fmt, False), strides=_attr_list(rng, fmt, False),
-                 padding=_pick(rng, ["VALID", "SAME"]), data_format=fmt)
+    fmt, shape, z, attrs = _raw_case(rng, tf)
     targmax = _pick(rng, [tf.uint8, tf.uint16, tf.int32])
     try:
         y, codes = lib.relu_max_pool_with_window_argmax(z, Targmax=targmax, **attrs)
@@ -414,12 +419,8 @@ def call_raw_grad_grad(rng, tf, tfr, lib):
     check that it is the transpose of ReluMaxPoolGradFromWindowArgmax: <GG(ddz), dy> equals
     <ddz, G(dy)>, computed exactly (float64 sums of small integers)."""
     import numpy as np
-    fmt = _pick(rng, ["NHWC", "NCHW"])
-    dtype = _pick(rng, DTYPES)
-    shape = _shape(rng, fmt)
-    z = _values(rng, tf, shape, dtype)
-    attrs = dict(ksize=_attr_list(rng, fmt, False), strides=_attr_list(rng, fmt, False),
-                 padding=_pick(rng, ["VALID", "SAME"]), data_format=fmt)
+    _, shape, z, attrs = _raw_case(rng, tf)
+    dtype = z.dtype
     try:
         y, codes = lib.relu_max_pool_with_window_argmax(z, Targmax=tf.uint16, **attrs)
     except tf.errors.InvalidArgumentError:

@@ -51,8 +51,11 @@ PRELUDE = textwrap.dedent("""
 
 def run_case(body, env=None):
     code = PRELUDE + textwrap.dedent(body)
+    # `python -c` puts the working directory first on sys.path: run outside the source tree, whose
+    # tf_relupool/ has no compiled library, so that the installed package is imported.
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          env={**os.environ, **(env or {})}, timeout=300)
+                          env={**os.environ, **(env or {})}, timeout=300,
+                          cwd=os.path.dirname(os.path.abspath(__file__)))
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 

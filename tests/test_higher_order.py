@@ -15,17 +15,14 @@ import tensorflow as tf
 from hypothesis import given, settings
 
 import tf_relupool
-from conftest import DTYPES, assert_bitwise_equal, from_nhwc, pool_cases, to_nhwc
+from conftest import (DTYPES, _spatial_pair, assert_bitwise_equal, from_nhwc, pool_cases,
+                      to_nhwc)
 
 KEEPS = ["argmax", "input"]
 
 
 def _spatial(value, data_format):
-    if isinstance(value, int):
-        return [value, value]
-    if len(value) == 2:
-        return list(value)
-    return list(value[1:3]) if data_format == "NHWC" else list(value[2:4])
+    return list(_spatial_pair(value, data_format))
 
 
 def _stock_fn(ksize, strides, padding, data_format):

@@ -160,6 +160,21 @@ constexpr int kThreads = 256;
 // ------------------------------------------------------------------------------------------------
 // Generic kernels.
 
+// Coordinates of pooled element o: (image, output row, output column, lane).
+struct PooledIndex {
+  int64_t img, ph, pw, l;
+};
+__device__ __forceinline__ PooledIndex PooledIndexOf(const PoolParams& p, int64_t o) {
+  PooledIndex q;
+  q.l = o % p.lanes;
+  int64_t t = o / p.lanes;
+  q.pw = t % p.out_cols;
+  t /= p.out_cols;
+  q.ph = t % p.out_rows;
+  q.img = t / p.out_rows;
+  return q;
+}
+
 // One thread per pooled element: y and/or codes.
 template <typename T, typename C, bool kWriteY, bool kWriteCodes>
 __global__ void __launch_bounds__(kThreads) GenericForwardKernel(const PoolParams p,
@@ -169,14 +184,9 @@ __global__ void __launch_bounds__(kThreads) GenericForwardKernel(const PoolParam
   for (int64_t o = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; o < n;
        o += int64_t{gridDim.x} * blockDim.x) {
     const int64_t L = p.lanes;
-    const int64_t l = o % L;
-    int64_t t = o / L;
-    const int64_t pw = t % p.out_cols;
-    t /= p.out_cols;
-    const int64_t ph = t % p.out_rows;
-    const int64_t img = t / p.out_rows;
-    const ClippedWindow win = WindowOf(p, ph, pw);
-    const T* zi = z + img * p.in_rows * p.in_cols * L + l;
+    const PooledIndex q = PooledIndexOf(p, o);
+    const ClippedWindow win = WindowOf(p, q.ph, q.pw);
+    const T* zi = z + q.img * p.in_rows * p.in_cols * L + q.l;
     MaxState<T> s;
     s.Init();
     int32_t pos = 0;
@@ -293,13 +303,10 @@ __global__ void __launch_bounds__(kThreads) FindInvalidKernel(const PoolParams p
                                                               int64_t n) {
   for (int64_t o = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; o < n;
        o += int64_t{gridDim.x} * blockDim.x) {
-    int64_t t = o / p.lanes;
-    const int64_t pw = t % p.out_cols;
-    t /= p.out_cols;
-    const int64_t ph = t % p.out_rows;
+    const PooledIndex q = PooledIndexOf(p, o);
     const C c = codes[o];
     const Code code{static_cast<int64_t>(c), c == CodeTraits<C>::kSentinel};
-    if (!CodeValid(p, code, WindowOf(p, ph, pw))) {
+    if (!CodeValid(p, code, WindowOf(p, q.ph, q.pw))) {
       atomicMin(first_bad, static_cast<unsigned long long>(o));
     }
   }
@@ -316,14 +323,8 @@ __global__ void __launch_bounds__(kThreads) GradGradKernel(const PoolParams p,
                                                            int64_t n) {
   for (int64_t o = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; o < n;
        o += int64_t{gridDim.x} * blockDim.x) {
-    const int64_t L = p.lanes;
-    const int64_t l = o % L;
-    int64_t t = o / L;
-    const int64_t pw = t % p.out_cols;
-    t /= p.out_cols;
-    const int64_t ph = t % p.out_rows;
-    const int64_t img = t / p.out_rows;
-    const ClippedWindow win = WindowOf(p, ph, pw);
+    const PooledIndex q = PooledIndexOf(p, o);
+    const ClippedWindow win = WindowOf(p, q.ph, q.pw);
     const C c = codes[o];
     Code code{static_cast<int64_t>(c), c == CodeTraits<C>::kSentinel};
     if (!CodeValid(p, code, win)) {
@@ -331,8 +332,8 @@ __global__ void __launch_bounds__(kThreads) GradGradKernel(const PoolParams p,
       code.sentinel = true;
     }
     const int64_t r = win.row_begin + (code.sentinel ? 0 : code.value / p.code_pitch);
-    const int64_t q = win.col_begin + (code.sentinel ? 0 : code.value % p.code_pitch);
-    ddy[o] = MaskT(ddz[((img * p.in_rows + r) * p.in_cols + q) * L + l], !code.sentinel);
+    const int64_t col = win.col_begin + (code.sentinel ? 0 : code.value % p.code_pitch);
+    ddy[o] = MaskT(ddz[((q.img * p.in_rows + r) * p.in_cols + col) * p.lanes + q.l], !code.sentinel);
   }
 }
 
