@@ -293,6 +293,7 @@ def call_raw_grads(rng, tf, tfr, lib):
     """ReluMaxPoolGrad and ReluMaxPoolGradFromWindowArgmax with good, bad and corrupted inputs."""
     import numpy as np
     fmt, shape, z, attrs = _raw_case(rng, tf)
+    dtype = z.dtype.name
     targmax = _pick(rng, [tf.uint8, tf.uint16, tf.int32])
     try:
         y, codes = lib.relu_max_pool_with_window_argmax(z, Targmax=targmax, **attrs)
