@@ -36,7 +36,8 @@ for step in ${STEPS:-test bench}; do
         > "$OUT/grappler_gpu.txt" 2>&1 || rc=1
       tail -30 "$OUT/grappler_gpu.txt" ;;
     harness)
-      make --no-print-directory gpu-check GPU_ARCH="-gencode arch=compute_90,code=sm_90" > "$OUT/gpu_check.txt" 2>&1 || rc=1
+      timeout ${HARNESS_TIMEOUT:-400} make --no-print-directory gpu-check GPU_ARCH="-gencode arch=compute_90,code=sm_90" \
+        GPU_CHECK_ARGS="$HARNESS_ARGS" > "$OUT/gpu_check.txt" 2>&1 || rc=1
       grep -E "CHECKS|FAIL|^\|" "$OUT/gpu_check.txt" | tail -30 ;;
     sanitize)
       make --no-print-directory gpu-sanitize GPU_ARCH="-gencode arch=compute_90,code=sm_90" > "$OUT/gpu_sanitize.txt" 2>&1 || rc=1
