@@ -82,8 +82,9 @@ def relu_max_pool2d(input, ksize, strides, padding, data_format="NHWC", name=Non
                     implementation="fused"):
     """Computes `tf.nn.max_pool2d(tf.nn.relu(input), ksize, strides, padding, data_format)`.
 
-    Forward values and gradients are bitwise identical to the stock ops (on CPU), in one pass
-    over `input` and with no ReLU activation kept for the backward pass.
+    Forward values and gradients (of every order) are bitwise identical to the stock ops on CPU
+    wherever stock is itself defined (README, "Exact semantics"), in one pass over `input` and
+    with no ReLU activation kept for the backward pass.
 
     Args:
       input: 4-D tensor of float16, bfloat16, float32 or float64, in `data_format`.
