@@ -121,7 +121,7 @@ GPU_PYTHON ?= python3
 GPU_TEST_ARGS ?=
 .PHONY: gpu-test
 gpu-test:
-	cd tests && $(GPU_PYTHON) -m pytest -q -p no:cacheprovider $(GPU_TEST_ARGS) .
+	cd tests && $(GPU_PYTHON) -m pytest -q -rs -p no:cacheprovider $(GPU_TEST_ARGS) .
 
 # ---- Bazel: the op library and the Python tests with Bazel 4.2 (Debian's bazel-bootstrap). ----
 # `make bazel-test` installs bazel-bootstrap with apt when no bazel is on PATH, sets up the venv,
