@@ -444,7 +444,7 @@ class Rewriter {
     const std::vector<std::string> in = DataInputs(pad);
     tensorflow::Tensor c;
     if (in.size() != 3 || !ConstInput(in[2], &c) || c.NumElements() != 1)
-      return "its constant_values is not a constant";
+      return "has no constant constant_values";
     double v;
     switch (c.dtype()) {
       case tensorflow::DT_HALF: v = static_cast<float>(c.flat<Eigen::half>()(0)); break;
@@ -453,7 +453,7 @@ class Rewriter {
       case tensorflow::DT_DOUBLE: v = c.flat<double>()(0); break;
       default: return "constant_values of an unsupported dtype";
     }
-    if (std::isnan(v) || std::signbit(v)) return "it pads with a negative or NaN value";
+    if (std::isnan(v) || std::signbit(v)) return "pads with a negative or NaN value";
     return "";
   }
 
