@@ -43,6 +43,7 @@
 #include <set>
 #include <stdexcept>
 #include <string>
+#include <string_view>
 #include <unordered_map>
 #include <unordered_set>
 #include <utility>
@@ -126,6 +127,17 @@ Input ParseInput(const std::string& s) {
 }
 
 bool IsControl(const std::string& s) { return !s.empty() && s[0] == '^'; }
+
+// The node an input names ("^a", "a", "a:2" -> "a"), without copying: for the loops over every
+// input of the graph.
+std::string_view InputNode(std::string_view s) {
+  if (!s.empty() && s[0] == '^') return s.substr(1);
+  const size_t colon = s.rfind(':');
+  if (colon == std::string_view::npos || colon + 1 == s.size()) return s;
+  for (size_t i = colon + 1; i < s.size(); ++i)
+    if (!isdigit(static_cast<unsigned char>(s[i]))) return s;
+  return s.substr(0, colon);
+}
 
 std::vector<std::string> DataInputs(const NodeDef& n) {
   std::vector<std::string> v;
@@ -312,10 +324,13 @@ class Rewriter {
     static const std::unordered_set<std::string> kOps = {
         "Relu", "_FusedConv2D", "MaxPool", "MaxPoolV2", "MaxPoolGrad", "MaxPoolGradV2",
         "Pad", "PadV2", "Slice"};
+    std::unordered_set<std::string_view> producers;  // names of nodes with an op of kOps
+    for (const NodeDef& n : g_->node())
+      if (kOps.count(n.op())) producers.insert(n.name());
     for (int i = 0; i < g_->node_size(); ++i) {
       const NodeDef& n = g_->node(i);
       for (int pos = 0; pos < n.input_size(); ++pos) {
-        if (IsControl(n.input(pos))) continue;
+        if (IsControl(n.input(pos)) || !producers.count(InputNode(n.input(pos)))) continue;
         Input in = ParseInput(n.input(pos));
         const int src = Find(in.node);
         if (src < 0 || !kOps.count(node(src).op())) continue;
@@ -952,11 +967,12 @@ class Rewriter {
 
 // Every input of every node names a node of the graph ("" when so, else the first problem).
 std::string DanglingInput(const GraphDef& graph) {
-  std::unordered_set<std::string> names;
+  std::unordered_set<std::string_view> names;
+  names.reserve(graph.node_size());
   for (const auto& n : graph.node()) names.insert(n.name());
   for (const auto& n : graph.node())
     for (const auto& in : n.input())
-      if (!names.count(ParseInput(in).node)) return "'" + n.name() + "' input '" + in + "'";
+      if (!names.count(InputNode(in))) return "'" + n.name() + "' input '" + in + "'";
   return "";
 }
 
