@@ -18,11 +18,26 @@
 //                   CPU, Conv2D + BiasAdd elsewhere (the GPU kernel rejects [BiasAdd] alone)
 //   forward only, after TF's arithmetic optimizer swapped them:
 //                   Relu(MaxPool(z))                    -> ReluMaxPool(z)
+//   MaxPoolV2 / MaxPoolGradV2 (window as constant inputs) wherever MaxPool / MaxPoolGrad is.
+//   a constant Pad between the ReLU and the pool (keras.applications ResNet/DenseNet stems,
+//   ZeroPadding2D then MaxPooling2D): relu(pad(z)) == pad(relu(z)) element by element for a
+//   pad value c with relu(c) == c (Pad: +0; PadV2: c >= +0), so
+//                   MaxPool(Pad(Relu(z)))               -> Fused(Pad(z))
+//                   ReluGrad(Slice(MaxPoolGrad(Pad, MaxPool, dy)), Relu(z))
+//                                                       -> Slice(FusedGrad(Pad(z), dy))
+//     the Slice being the Pad's gradient (begin = the Pad's leading paddings). Exact for the
+//     gradient too: ReluGrad is element-wise and Slice(relu(Pad(z))) == relu(z).
 //
-// The Relu's output must have no consumers other than these; the fused forward takes the
-// MaxPool's name and the fused gradient the ReluGrad's name, so their consumers need no change;
-// control edges on removed nodes move to the node replacing them. Nothing is rewritten unless a
-// kernel of the fused op exists for the node's device (KernelDefAvailable).
+// The Relu's output must have no consumers other than these (and shape-only ops: Shape, ShapeN,
+// Rank, Size, rewired to z); the fused forward takes the MaxPool's name and the fused gradient
+// the ReluGrad's name (with a Pad: the MaxPoolGrad's, and the Slice takes the ReluGrad's), so
+// their consumers need no change; control edges on removed nodes move to the node replacing
+// them. Nothing is rewritten unless a kernel of the fused op exists for the node's device
+// (KernelDefAvailable).
+//
+// The same Rewriter runs outside Grappler on a serialized GraphDef (tf_relupool_rewrite_graph,
+// at the end): tf_relupool.rewrite_graph calls it through ctypes, so the explicit Python API and
+// the switch share one implementation of the patterns.
 //
 // Failure policy: the pass never fails the user's function. Anything unexpected (a parse error,
 // an exception) returns TF_ABORTED, which MetaOptimizer::RunOptimizer treats as "did nothing"
