@@ -225,13 +225,15 @@ FUSED = {"argmax": ("ReluMaxPoolWithWindowArgmax", "ReluMaxPoolGradFromWindowArg
 
 PAD_STEP = textwrap.dedent("""
     def pad_step(w, pads=((0, 0), (1, 1), (1, 1), (0, 0)), ksize=3, strides=2, padding="VALID",
-                 v2=False, pad_value=None, pad=True):
-        # relu -> [pad] -> max pool (MaxPool or MaxPoolV2), loss, gradients of weights and input
+                 v2=False, pad_value=None, pad=True, bias=None):
+        # relu -> [pad] -> max pool (MaxPool or MaxPoolV2), loss, gradients of weights and input;
+        # with a bias, TF's remapper makes conv + bias + relu one _FusedConv2D(BiasAdd, Relu)
         def make():
             def step(x):
                 with tf.GradientTape() as tape:
                     tape.watch(x)
-                    h = tf.nn.relu(tf.nn.conv2d(x, w[0], 1, "SAME"))
+                    h = tf.nn.conv2d(x, w[0], 1, "SAME")
+                    h = tf.nn.relu(h if bias is None else tf.nn.bias_add(h, bias))
                     if pad:
                         h = tf.pad(h, pads) if pad_value is None else \\
                             tf.pad(h, pads, constant_values=pad_value)
@@ -262,6 +264,7 @@ def test_maxpool_v2_and_relu_pad_maxpool_are_fused_and_bitwise_equal(keep):
             pad_channels_batch=dict(pads=((1, 0), (1, 1), (2, 2), (0, 3))),
             pad_positive_value=dict(pad_value=0.5, ksize=2, strides=2),
             pad_maxpool_v2=dict(v2=True, ksize=3, strides=2, padding="VALID"),
+            pad_fused_conv=dict(bias=tf.constant(np.linspace(-0.5, 0.5, 8), tf.float32)),
         )
         out = {{}}
         for name, kw in cases.items():
@@ -277,6 +280,7 @@ def test_maxpool_v2_and_relu_pad_maxpool_are_fused_and_bitwise_equal(keep):
         assert st["fused_with_grad"] == 1 and st["not_fused"] == 0 and st["errors"] == 0, (name, st)
         assert st["fused_maxpool_v2"] == (1 if name.endswith("v2") else 0), (name, st)
         assert st["fused_through_pad"] == (1 if "pad" in name else 0), (name, st)
+        assert st["fused_conv_relu"] == (1 if name == "pad_fused_conv" else 0), (name, st)
     assert "MaxPoolV2" in r["v2"]["off_ops"] and "Pad" in r["pad_stem"]["off_ops"]
     assert "PadV2" in r["pad_positive_value"]["on_ops"]
 

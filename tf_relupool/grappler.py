@@ -6,7 +6,9 @@ registered with TensorFlow through its pluggable graph optimizer C API (`TF_Init
 own passes: every `tf.function`, Keras' train/predict functions. While the switch is on it
 rewrites `max_pool2d(relu(z))` (and its gradient `ReluGrad(MaxPoolGrad(...))`) into the fused ops,
 so stock code (`tf.nn.relu` + `tf.nn.max_pool2d`, Keras `Conv2D(activation="relu")` +
-`MaxPooling2D`) gets the fused ops without a change.
+`MaxPooling2D`, `MaxPoolV2`, a ZeroPadding2D between the ReLU and the pool as in the ResNet50
+stem) gets the fused ops without a change. `rewrite_serialized_graph` runs the same code on a
+GraphDef outside Grappler (what `tf_relupool.rewrite_graph` uses).
 
 When: the optimizer is registered the first time the switch is turned on (so a process that
 never turns it on pays nothing); it reads the switch each time TensorFlow optimizes a graph,
