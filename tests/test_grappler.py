@@ -37,6 +37,25 @@ PRELUDE = textwrap.dedent("""
         x = tf.constant(rng.normal(0, 1, [4, 12, 12, 3]).astype(np.float32))
         return w, x
 
+    def bits_equal(a, b):
+        a, b = np.asarray(a), np.asarray(b)
+        return a.shape == b.shape and a.dtype == b.dtype and a.tobytes() == b.tobytes()
+
+    def off_then_on(make_fn, args, keep="argmax", signature=None):
+        # The same stock function run with the switch off, then (a fresh tf.function) on:
+        # (bitwise equal, ops that ran off, ops that ran on, stats of the switched-on run).
+        tf_relupool.disable_recompute()
+        off, off_ops = ran_ops(tf.function(make_fn(), input_signature=signature,
+                                           jit_compile=False), *args)
+        tf_relupool.enable_recompute(keep)
+        grappler.reset_stats()
+        on, on_ops = ran_ops(tf.function(make_fn(), input_signature=signature,
+                                         jit_compile=False), *args)
+        st = grappler.stats()
+        tf_relupool.disable_recompute()
+        same = all(bits_equal(a, b) for a, b in zip(tf.nest.flatten(off), tf.nest.flatten(on)))
+        return same, off_ops, on_ops, st
+
     def ran_ops(fn, *args):
         from tensorflow.python.eager import context
         ctx = context.context()
@@ -198,3 +217,218 @@ def test_error_inside_the_pass_leaves_the_function_working():
     """)
     assert "MaxPool" in r["ops"] and "ReluMaxPool" not in r["ops"]
     assert r["stats"]["errors"] >= 1 and "injected" in r["stats"]["last_error"]
+
+
+STOCK = {"Relu", "MaxPool", "MaxPoolV2", "MaxPoolGrad", "MaxPoolGradV2", "ReluGrad"}
+FUSED = {"argmax": ("ReluMaxPoolWithWindowArgmax", "ReluMaxPoolGradFromWindowArgmax"),
+         "input": ("ReluMaxPool", "ReluMaxPoolGrad")}
+
+PAD_STEP = textwrap.dedent("""
+    def pad_step(w, pads=((0, 0), (1, 1), (1, 1), (0, 0)), ksize=3, strides=2, padding="VALID",
+                 v2=False, pad_value=None, pad=True, bias=None):
+        # relu -> [pad] -> max pool (MaxPool or MaxPoolV2), loss, gradients of weights and input;
+        # with a bias, TF's remapper makes conv + bias + relu one _FusedConv2D(BiasAdd, Relu)
+        def make():
+            def step(x):
+                with tf.GradientTape() as tape:
+                    tape.watch(x)
+                    h = tf.nn.conv2d(x, w[0], 1, "SAME")
+                    h = tf.nn.relu(h if bias is None else tf.nn.bias_add(h, bias))
+                    if pad:
+                        h = tf.pad(h, pads) if pad_value is None else \\
+                            tf.pad(h, pads, constant_values=pad_value)
+                    if v2:
+                        h = tf.raw_ops.MaxPoolV2(input=h, ksize=[1, ksize, ksize, 1],
+                                                 strides=[1, strides, strides, 1], padding=padding)
+                    else:
+                        h = tf.nn.max_pool2d(h, ksize, strides, padding)
+                    loss = tf.reduce_sum(h * h)
+                return [loss] + tape.gradient(loss, w + [x])
+            return step
+        return make
+""")
+
+
+@pytest.mark.parametrize("keep", ["argmax", "input"])
+def test_maxpool_v2_and_relu_pad_maxpool_are_fused_and_bitwise_equal(keep):
+    """MaxPoolV2 (window from constant inputs) and Relu -> Pad -> MaxPool (ResNet/DenseNet
+    stems): values and gradients (weights and input) bitwise equal to the switch off."""
+    r = run_case(PAD_STEP + textwrap.dedent(f"""
+        w, x = make()
+        x = tf.constant(np.random.default_rng(1).normal(0, 1, [2, 11, 13, 3]).astype(np.float32))
+        cases = dict(
+            v2=dict(v2=True, pad=False, ksize=3, strides=2, padding="SAME"),
+            pad_stem=dict(),                                           # ResNet50's pool1
+            pad_asym_same=dict(pads=((0, 0), (0, 2), (1, 0), (0, 0)), ksize=2, strides=1,
+                               padding="SAME"),                        # overlapping windows
+            pad_channels_batch=dict(pads=((1, 0), (1, 1), (2, 2), (0, 3))),
+            pad_positive_value=dict(pad_value=0.5, ksize=2, strides=2),
+            pad_maxpool_v2=dict(v2=True, ksize=3, strides=2, padding="VALID"),
+            pad_fused_conv=dict(bias=tf.constant(np.linspace(-0.5, 0.5, 8), tf.float32)),
+        )
+        out = {{}}
+        for name, kw in cases.items():
+            same, off_ops, on_ops, st = off_then_on(pad_step(w, **kw), [x], {keep!r})
+            out[name] = dict(same=same, off_ops=off_ops, on_ops=on_ops, stats=st)
+        print(json.dumps(out))
+    """))
+    fwd, bwd = FUSED[keep]
+    for name, c in r.items():
+        assert c["same"], name
+        assert {fwd, bwd} <= set(c["on_ops"]) and not STOCK & set(c["on_ops"]), (name, c["on_ops"])
+        st = c["stats"]
+        assert st["fused_with_grad"] == 1 and st["not_fused"] == 0 and st["errors"] == 0, (name, st)
+        assert st["fused_maxpool_v2"] == (1 if name.endswith("v2") else 0), (name, st)
+        assert st["fused_through_pad"] == (1 if "pad" in name else 0), (name, st)
+        assert st["fused_conv_relu"] == (1 if name == "pad_fused_conv" else 0), (name, st)
+    assert "MaxPoolV2" in r["v2"]["off_ops"] and "Pad" in r["pad_stem"]["off_ops"]
+    assert "PadV2" in r["pad_positive_value"]["on_ops"]
+
+
+def test_relu_pad_maxpool_unknown_batch_forward_only_and_refusals():
+    r = run_case(PAD_STEP + textwrap.dedent("""
+        w, x = make()
+        out = {}
+        # Unknown batch: the Pad's gradient reads Shape(Relu) at run time (rewired to z).
+        same, off_ops, on_ops, st = off_then_on(
+            pad_step(w), [x], signature=[tf.TensorSpec([None, 12, 12, 3])])
+        out["unknown_batch"] = dict(same=same, off_ops=off_ops, on_ops=on_ops, stats=st)
+        # Forward only: Pad(z) -> ReluMaxPool.
+        def forward():
+            return lambda x: tf.nn.max_pool2d(
+                tf.pad(tf.nn.relu(x * 2.0), [[0, 0], [1, 1], [1, 1], [0, 0]]), 3, 2, "VALID")
+        same, _, on_ops, st = off_then_on(forward, [x])
+        out["forward"] = dict(same=same, on_ops=on_ops, stats=st)
+        # Left alone: a negative pad value, a Pad with another consumer, a MaxPoolV2 window that
+        # is no constant.
+        def negative():
+            return pad_step(w, pad_value=-1.0)()
+        def pad_used_twice():
+            def f(x):
+                with tf.GradientTape() as tape:
+                    tape.watch(x)
+                    p = tf.pad(tf.nn.relu(x), [[0, 0], [1, 1], [1, 1], [0, 0]])
+                    loss = tf.reduce_sum(tf.nn.max_pool2d(p, 3, 2, "VALID")) + tf.reduce_sum(p)
+                return loss, tape.gradient(loss, x)
+            return f
+        def window_argument():
+            return lambda x, k: tf.raw_ops.MaxPoolV2(input=tf.nn.relu(x), ksize=k,
+                                                      strides=[1, 2, 2, 1], padding="VALID")
+        for name, make_fn, args in (("negative", negative, [x]),
+                                    ("pad_used_twice", pad_used_twice, [x]),
+                                    ("window_argument", window_argument,
+                                     [x, tf.constant([1, 2, 2, 1])])):
+            same, _, on_ops, st = off_then_on(make_fn, args)
+            out[name] = dict(same=same, on_ops=on_ops, stats=st)
+        print(json.dumps(out))
+    """))
+    for name in ("unknown_batch", "forward"):
+        c = r[name]
+        assert c["same"] and c["stats"]["fused_through_pad"] == 1, (name, c)
+        assert not STOCK & set(c["on_ops"]), (name, c["on_ops"])
+    assert "Shape" in r["unknown_batch"]["off_ops"]  # Shape(Relu), for the Pad's gradient
+    assert "ReluMaxPool" in r["forward"]["on_ops"]
+    for name, why in (("negative", "negative or NaN"), ("pad_used_twice", "Pad has other consumers"),
+                      ("window_argument", "ksize is not a constant")):
+        c = r[name]
+        assert c["same"] and c["stats"]["not_fused"] >= 1, (name, c)
+        assert why in c["stats"]["last_skip"], (name, c["stats"]["last_skip"])
+        assert not {"ReluMaxPool", "ReluMaxPoolWithWindowArgmax"} & set(c["on_ops"]), name
+
+
+# keras.applications at small inputs (weights=None, batch 2, float32): the ReLU + max pooling
+# pairs each model has, found and fused by the pass inside a plain tf.function (no XLA): forward
+# outputs and input gradients bitwise equal to the switch off. (model, input size, fusions, of
+# them through a ZeroPadding2D, stock MaxPool left by design: InceptionV3 pools concatenations.)
+APPLICATIONS = [
+    pytest.param("VGG16", 32, 5, 0, False, id="VGG16"),
+    pytest.param("ResNet50", 32, 1, 1, False, id="ResNet50"),
+    pytest.param("DenseNet121", 32, 1, 1, False, id="DenseNet121", marks=pytest.mark.slow),
+    pytest.param("InceptionV3", 75, 2, 0, True, id="InceptionV3", marks=pytest.mark.slow),
+]
+
+
+@pytest.mark.parametrize("name,size,fusions,through_pad,other_pools", APPLICATIONS)
+def test_keras_applications_are_fused_and_bitwise_equal(name, size, fusions, through_pad,
+                                                        other_pools):
+    r = run_case(f"""
+        import keras
+        keras.utils.set_random_seed(0)
+        model = keras.applications.{name}(weights=None, input_shape=({size}, {size}, 3),
+                                         classes=10)
+        x = tf.random.stateless_normal([2, {size}, {size}, 3], seed=[1, 2])
+        def make():
+            def step(x):
+                with tf.GradientTape() as tape:
+                    tape.watch(x)
+                    y = model(x, training=True)
+                    loss = tf.reduce_sum(y * y)
+                return y, tape.gradient(loss, x)
+            return step
+        same, off_ops, on_ops, st = off_then_on(make, [x])
+        print(json.dumps(dict(same=same, off_ops=off_ops, on_ops=on_ops, stats=st)))
+    """)
+    st = r["stats"]
+    assert r["same"]
+    assert st["fused_with_grad"] == fusions and st["fused_through_pad"] == through_pad, st
+    assert st["not_fused"] == 0 and st["errors"] == 0, st
+    assert {"MaxPoolGrad", "ReluGrad"} <= set(r["off_ops"])
+    assert {"ReluMaxPoolWithWindowArgmax", "ReluMaxPoolGradFromWindowArgmax"} <= set(r["on_ops"])
+    assert ("MaxPool" in r["on_ops"]) == other_pools, r["on_ops"]
+
+
+def test_saved_model_from_switched_on_process_holds_stock_ops(tmp_path):
+    """The pass rewrites graphs when TensorFlow runs them, not the graphs it saves: a SavedModel
+    exported with the switch on (after the fused graph ran) holds stock ops and loads and runs
+    where tf_relupool is not even importable."""
+    path = str(tmp_path / "model")
+    r = run_case(f"""
+        import keras
+        tf_relupool.enable_recompute()
+        keras.utils.set_random_seed(0)
+        inp = keras.Input((12, 12, 3))
+        h = keras.layers.Conv2D(4, 3, padding="same", activation="relu")(inp)
+        h = keras.layers.MaxPooling2D()(h)
+        h = keras.layers.ReLU()(keras.layers.Conv2D(4, 3)(h))
+        h = keras.layers.MaxPooling2D(3, 2)(keras.layers.ZeroPadding2D()(h))
+        model = keras.Model(inp, keras.layers.Dense(2)(keras.layers.Flatten()(h)))
+        model.compile("sgd", "mse", jit_compile=False)
+        x = np.random.default_rng(0).normal(size=(2, 12, 12, 3)).astype(np.float32)
+        model.fit(x, np.zeros((2, 2), np.float32), verbose=0)
+        y = model.predict(x, verbose=0)
+        fused = grappler.stats()["fused_with_grad"]
+        model.export({path!r}, format="tf_saved_model", verbose=False)
+        np.save({path!r} + "_x.npy", x)
+        np.save({path!r} + "_y.npy", y)
+        print(json.dumps(dict(fused=fused)))
+    """)
+    assert r["fused"] == 2  # both pairs of the training step, one through the ZeroPadding2D
+    code = textwrap.dedent(f"""
+        import json, os, sys
+        os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+        sys.modules["tf_relupool"] = None  # importing it would fail
+        import numpy as np
+        import tensorflow as tf
+        from tensorflow.core.protobuf import saved_model_pb2
+        sm = saved_model_pb2.SavedModel()
+        with open(os.path.join({path!r}, "saved_model.pb"), "rb") as f:
+            sm.ParseFromString(f.read())
+        ops = set()
+        for mg in sm.meta_graphs:
+            ops |= {{n.op for n in mg.graph_def.node}}
+            for fn in mg.graph_def.library.function:
+                ops |= {{n.op for n in fn.node_def}}
+        loaded = tf.saved_model.load({path!r})
+        y = loaded.serve(tf.constant(np.load({path!r} + "_x.npy")))
+        same = np.array_equal(np.asarray(y), np.load({path!r} + "_y.npy"))
+        print(json.dumps(dict(ops=sorted(ops), same=bool(same),
+                              imported="tf_relupool" in sys.modules and sys.modules["tf_relupool"] is not None)))
+    """)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=300, cwd=os.path.dirname(os.path.abspath(__file__)))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    loaded = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert not loaded["imported"]
+    assert {"Relu", "MaxPool"} <= set(loaded["ops"]), loaded["ops"]
+    assert not [op for op in loaded["ops"] if op.startswith("ReluMaxPool")], loaded["ops"]
+    assert loaded["same"]

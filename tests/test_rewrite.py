@@ -359,3 +359,129 @@ def _keras_model_training_step_graph_rewrite():
 def test_rewrite_function_rejects_non_concrete():
     with pytest.raises(ValueError, match="concrete function"):
         tf_relupool.rewrite_function(lambda x: x)
+
+
+# -- one implementation: rewrite_graph runs the Grappler pass --------------------------------
+
+def pad_pool_step(ksize, strides, padding, pads, v2, pad_value=None):
+    """A training step, conv -> ReLU -> Pad -> max pooling (MaxPool or MaxPoolV2), with the
+    gradients of the weights and of the input."""
+    @tf.function
+    def step(x):
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            r = tf.nn.relu(tf.nn.conv2d(x, W, 1, "SAME"))
+            p = tf.pad(r, pads) if pad_value is None else tf.pad(r, pads, constant_values=pad_value)
+            if v2:
+                y = tf.raw_ops.MaxPoolV2(input=p, ksize=[1, ksize, ksize, 1],
+                                         strides=[1, strides, strides, 1], padding=padding)
+            else:
+                y = tf.nn.max_pool2d(p, ksize, strides, padding)
+            loss = tf.reduce_sum(y * y)
+        return loss, tape.gradient(loss, [W, x])
+    return step.get_concrete_function(tf.TensorSpec([2, 9, 9, 3]))
+
+
+@settings(max_examples=10, deadline=None)
+@given(ksize=st.integers(1, 3), strides=st.integers(1, 3),
+       padding=st.sampled_from(["VALID", "SAME"]),
+       pads=st.lists(st.integers(0, 2), min_size=8, max_size=8),
+       v2=st.booleans(), keep=st.sampled_from(["argmax", "input"]))
+def test_rewrite_function_pad_and_maxpool_v2_bitwise_equal(ksize, strides, padding, pads, v2,
+                                                            keep):
+    with tf.device("/CPU:0"):  # see test_rewrite_function_with_gradient_is_bitwise_equal
+        pads = [pads[0:2], pads[2:4], pads[4:6], pads[6:8]]
+        cf = pad_pool_step(ksize, strides, padding, pads, v2)
+        fused = tf_relupool.rewrite_function(cf, keep=keep)
+        ops = graph_ops(fused.graph.as_graph_def())
+        assert not {"Relu", "MaxPool", "MaxPoolV2", "MaxPoolGrad", "MaxPoolGradV2",
+                    "ReluGrad"} & set(ops), ops
+        assert "Pad" in ops
+        x = tf.random.stateless_normal([2, 9, 9, 3], seed=[ksize, strides])
+        for got, want in zip(tf.nest.flatten(fused(x)), tf.nest.flatten(cf(x))):
+            np.testing.assert_array_equal(got.numpy(), want.numpy())
+
+
+def test_rewrite_graph_pad_refusals_are_logged(caplog):
+    gd = pad_pool_step(2, 2, "VALID", [[0, 0], [1, 1], [1, 1], [0, 0]], False,
+                       pad_value=-1.0).graph.as_graph_def()
+    with caplog.at_level(logging.INFO, logger="tf_relupool"):
+        assert graph_ops(tf_relupool.rewrite_graph(gd)) == graph_ops(gd)
+    assert "and PadV2 'PadV2' not fused: the PadV2 pads with a negative or NaN value" in \
+        caplog.text
+
+
+def test_rewrite_graph_rejects_bytes_that_are_no_graph():
+    from tf_relupool import grappler
+    with pytest.raises(RuntimeError, match="could not parse"):
+        grappler.rewrite_serialized_graph(b"\xff\xff\xff\xff not a GraphDef", "argmax")
+    fused, data, lines = grappler.rewrite_serialized_graph(b"", "input")  # the empty graph
+    assert (fused, data, lines) == (0, None, [])
+
+
+def test_rewrite_graph_preserve_list_keeps_nodes():
+    from tf_relupool import grappler
+    gd = conv_pool_step(2, 2, "VALID").graph.as_graph_def()
+    fused, data, lines = grappler.rewrite_serialized_graph(gd.SerializeToString(), "argmax",
+                                                           preserve=["Relu"])
+    assert fused == 0 and data is None
+    assert any("the Relu must be preserved" in line for line in lines), lines
+
+
+# -- rewrite_model: ZeroPadding2D between the ReLU and the pool ------------------------------
+
+def test_zero_padding_stems_sequential_and_functional(caplog):
+    seq = keras.Sequential([
+        keras.Input((16, 16, 3)),
+        L.Conv2D(4, 3, activation="relu"), L.ZeroPadding2D(1), L.MaxPooling2D(3, 2),
+        L.Conv2D(4, 1), L.ReLU(), L.ZeroPadding2D(((0, 1), (1, 0))), L.MaxPooling2D(2, 1),
+        L.Flatten(), L.Dense(2)], name="seq_pad")
+    new = tf_relupool.rewrite_model(seq, keep="argmax")
+    assert kinds(new) == ["Conv2D", "ZeroPadding2D", "ReluMaxPool2D", "Conv2D", "ZeroPadding2D",
+                          "ReluMaxPool2D", "Flatten", "Dense"]
+    assert new.layers[0].get_config()["activation"] == "linear"
+    assert_same_outputs(seq, new)
+    assert_weights_copied(seq, new)
+
+    inp = keras.Input((16, 16, 3))
+    x = L.BatchNormalization()(L.Conv2D(4, 3, use_bias=False)(inp))
+    x = L.Activation("relu", name="stem_relu")(x)
+    x = L.MaxPooling2D(3, 2, name="stem_pool")(L.ZeroPadding2D(1, name="stem_pad")(x))
+    r = L.ReLU(name="relu2")(L.Conv2D(4, 1)(x))
+    padded = L.ZeroPadding2D(1, name="pad_twice")(r)             # feeds two layers: not fused
+    y = L.Add()([L.MaxPooling2D(3, 1, name="pool2")(padded), L.Conv2D(4, 3)(padded)])
+    model = keras.Model(inp, L.Dense(2)(L.Flatten()(y)))
+    with caplog.at_level(logging.INFO, logger="tf_relupool"):
+        new = tf_relupool.rewrite_model(model)
+    types = {l.name: type(l).__name__ for l in new.layers}
+    assert types["stem_pool"] == "ReluMaxPool2D" and "stem_relu" not in types
+    assert types["stem_pad"] == "ZeroPadding2D" and types["pool2"] == "MaxPooling2D"
+    assert "relu2 -> pad_twice -> pool2 not fused: the padding's output has 2 consumers" in \
+        caplog.text
+    assert_same_outputs(model, new)
+    with tf_relupool.recompute():
+        assert_same_outputs(model, new)
+
+
+@pytest.mark.slow
+def test_rewrite_model_resnet50_stem_bitwise_with_gradients():
+    keras.utils.set_random_seed(0)
+    model = keras.applications.ResNet50(weights=None, input_shape=(32, 32, 3), classes=10)
+    new = tf_relupool.rewrite_model(model)
+    assert [l.name for l in new.layers if isinstance(l, ReluMaxPool2D)] == ["pool1_pool"]
+    x = tf.random.stateless_normal([2, 32, 32, 3], seed=[1, 2])
+
+    def run(m):
+        @tf.function(jit_compile=False)
+        def f(x):
+            with tf.GradientTape() as tape:
+                tape.watch(x)
+                y = m(x, training=True)
+                loss = tf.reduce_sum(y * y)
+            return y, tape.gradient(loss, x)
+        return f(x)
+    want = run(model)
+    with tf_relupool.recompute():
+        got = run(new)
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(g.numpy(), w.numpy())

@@ -6,7 +6,9 @@ registered with TensorFlow through its pluggable graph optimizer C API (`TF_Init
 own passes: every `tf.function`, Keras' train/predict functions. While the switch is on it
 rewrites `max_pool2d(relu(z))` (and its gradient `ReluGrad(MaxPoolGrad(...))`) into the fused ops,
 so stock code (`tf.nn.relu` + `tf.nn.max_pool2d`, Keras `Conv2D(activation="relu")` +
-`MaxPooling2D`) gets the fused ops without a change.
+`MaxPooling2D`, `MaxPoolV2`, a ZeroPadding2D between the ReLU and the pool as in the ResNet50
+stem) gets the fused ops without a change. `rewrite_serialized_graph` runs the same code on a
+GraphDef outside Grappler (what `tf_relupool.rewrite_graph` uses).
 
 When: the optimizer is registered the first time the switch is turned on (so a process that
 never turns it on pays nothing); it reads the switch each time TensorFlow optimizes a graph,
@@ -28,7 +30,8 @@ LIBRARY_ENV_VAR = "TF_RELUPOOL_GRAPPLER_LIBRARY"  # another library holding the 
 DEVICE_TYPES = ("CPU", "GPU")
 MODE_CODES = {None: 0, "argmax": 1, "input": 2}
 STAT_NAMES = ("calls", "calls_switch_off", "graphs_rewritten", "fused_with_grad",
-              "fused_forward_only", "fused_conv_relu", "not_fused", "errors", "nanos", "bytes_in", "parse_nanos")
+              "fused_forward_only", "fused_conv_relu", "not_fused", "errors", "nanos", "bytes_in",
+              "parse_nanos", "fused_through_pad", "fused_maxpool_v2")
 
 logger = logging.getLogger("tf_relupool")
 _lock = threading.RLock()
@@ -66,6 +69,12 @@ def _c_library():
         lib.tf_relupool_grappler_text.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int]
         lib.tf_relupool_grappler_registered.argtypes = [ctypes.c_char_p, ctypes.c_int]
         lib.tf_relupool_grappler_set_next_device_type.argtypes = [ctypes.c_char_p]
+        lib.tf_relupool_rewrite_graph.argtypes = [
+            ctypes.c_char_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_char_p,
+            ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_size_t),
+            ctypes.POINTER(ctypes.c_void_p)]
+        lib.tf_relupool_rewrite_graph.restype = ctypes.c_int
+        lib.tf_relupool_free.argtypes = [ctypes.c_void_p]
         _lib = lib
     return _lib
 
@@ -163,8 +172,9 @@ def stats():
     calls_switch_off: of these, returned at once because the switch was off;
     graphs_rewritten; fused_with_grad / fused_forward_only: fusions applied; fused_conv_relu:
     fusions on a remapper _FusedConv2D(BiasAdd, Relu); not_fused: ReLU + MaxPool pairs left in
-    place (last_skip says why); errors: unexpected errors, the graph was left unchanged
-    (last_error); nanos: time spent in the pass, parse_nanos of it parsing the GraphDef;
+    place (last_skip says why); fused_through_pad: of the fusions, Relu -> Pad -> MaxPool;
+    fused_maxpool_v2: of the fusions, on MaxPoolV2; errors: unexpected errors, the graph was
+    left unchanged (last_error); nanos: time spent in the pass, parse_nanos of it parsing the GraphDef;
     bytes_in: serialized graph bytes received (only counted past the switch-off check).
     """
     if _lib is None:
@@ -177,6 +187,40 @@ def stats():
         _lib.tf_relupool_grappler_text(which, buf, len(buf))
         out[key] = buf.value.decode(errors="replace")
     return out
+
+
+def rewrite_serialized_graph(graph_bytes, mode, preserve=()):
+    """Runs the pass over a serialized GraphDef outside Grappler (the implementation of
+    tf_relupool.rewrite_graph). Nodes without a device are taken as CPU nodes.
+
+    Args:
+      graph_bytes: a serialized `GraphDef`.
+      mode: "argmax" or "input".
+      preserve: names of nodes that must not be removed or replaced.
+
+    Returns:
+      (fusions, rewritten bytes or None when there were none, log lines).
+
+    Raises:
+      RuntimeError: the pass failed (e.g. bytes that are no GraphDef).
+    """
+    lib = _c_library()
+    out, log = ctypes.c_void_p(), ctypes.c_void_p()
+    out_size = ctypes.c_size_t()
+    keep = "\n".join(preserve).encode() if preserve else None
+    fused = lib.tf_relupool_rewrite_graph(graph_bytes, len(graph_bytes), MODE_CODES[mode], keep,
+                                          ctypes.byref(out), ctypes.byref(out_size),
+                                          ctypes.byref(log))
+    try:
+        text = ctypes.string_at(log.value).decode(errors="replace") if log.value else ""
+        data = ctypes.string_at(out.value, out_size.value) if out.value else None
+    finally:
+        lib.tf_relupool_free(out)
+        lib.tf_relupool_free(log)
+    lines = [line for line in text.splitlines() if line]
+    if fused < 0:
+        raise RuntimeError("tf_relupool graph rewrite failed: " + "; ".join(lines))
+    return fused, data, lines
 
 
 def reset_stats():

@@ -1,11 +1,19 @@
-"""Grappler-style rewrite of a GraphDef: MaxPool(Relu(z)) and its gradient -> the fused ops.
+"""Rewrite of a GraphDef: MaxPool(Relu(z)) and its gradient -> the fused ops.
 
-Patterns, on the top-level nodes of a GraphDef (function libraries are copied unchanged):
+One implementation: `rewrite_graph` runs the Grappler pass of cc/grappler/ (the one
+`enable_recompute()` registers inside TensorFlow) over the GraphDef, through the op library's
+`tf_relupool_rewrite_graph` C function (ctypes), with nodes that have no device taken as CPU
+nodes. So its patterns are the pass's (cc/grappler/README.md, "Patterns"), on the top-level
+nodes of a GraphDef (function libraries are copied unchanged):
 
   forward only:      z -> Relu -> MaxPool            (the Relu's only consumer is the MaxPool)
   with its gradient: z -> Relu -> MaxPool, MaxPoolGrad(Relu, MaxPool, dy) -> ReluGrad(., Relu)
                      (the Relu's only consumers are the MaxPool, the MaxPoolGrad and the ReluGrad,
                      and the MaxPoolGrad's only consumer is the ReluGrad)
+  also:              MaxPoolV2 (constant ksize/strides) with MaxPoolGradV2; a constant zero Pad
+                     between the Relu and the pool (ResNet/DenseNet stems: the Pad moves before
+                     the ReLU, its gradient Slice after the fused gradient); Relu(MaxPool(z));
+                     remapper's _FusedConv2D(BiasAdd, Relu) in place of the Relu
 
 become, for keep="argmax": ReluMaxPoolWithWindowArgmax(z) and
 ReluMaxPoolGradFromWindowArgmax(Shape(z), dy, window_argmax); for keep="input": ReluMaxPool(z) and
@@ -13,131 +21,24 @@ ReluMaxPoolGrad(z, dy). The fused forward takes the MaxPool's name and the fused
 ReluGrad's name, so their consumers need no rewiring; control edges on removed nodes move to the
 node that replaces them. A Relu with any other consumer is left in place, with one log line.
 """
-import copy
 import logging
 
 import tensorflow as tf
 
 from tf_relupool import config
 from tf_relupool._loader import load_library
-from tf_relupool.ops import KEEP_ARGMAX, KEEP_CHOICES, KEEP_INPUT, SUPPORTED_DTYPES, argmax_dtype_for
+from tf_relupool.ops import KEEP_CHOICES
 
 logger = logging.getLogger("tf_relupool")
-
-_POOL_ATTRS = ("ksize", "strides", "padding", "data_format")
-_SUPPORTED_ENUMS = {d.as_datatype_enum for d in SUPPORTED_DTYPES}
 
 
 def resolve_graph_keep(keep):
     """keep for a static rewrite: the argument, else the switch's mode, else "argmax"."""
     if keep is None:
-        keep = config.recompute_mode() or KEEP_ARGMAX
+        keep = config.recompute_mode() or "argmax"
     if keep not in KEEP_CHOICES:
         raise ValueError(f"keep must be None or one of {KEEP_CHOICES}, got {keep!r}")
     return keep
-
-
-def _parse(inp):
-    """'^a' -> ('a', None); 'a' -> ('a', 0); 'a:2' -> ('a', 2)."""
-    if inp.startswith("^"):
-        return inp[1:], None
-    name, _, idx = inp.rpartition(":")
-    if name and idx.isdigit():
-        return name, int(idx)
-    return inp, 0
-
-
-def _ref(name, idx):
-    return name if idx == 0 else f"{name}:{idx}"
-
-
-class _Graph:
-    def __init__(self, graph_def):
-        self.nodes = {n.name: n for n in graph_def.node}
-        self.data_consumers = {}   # (name, idx) -> [(consumer name, input position)]
-        self.control_consumers = {}  # name -> [consumer name]
-        for n in graph_def.node:
-            for pos, inp in enumerate(n.input):
-                src, idx = _parse(inp)
-                if idx is None:
-                    self.control_consumers.setdefault(src, []).append(n.name)
-                else:
-                    self.data_consumers.setdefault((src, idx), []).append((n.name, pos))
-
-    def producer(self, inp):
-        src, idx = _parse(inp)
-        return self.nodes.get(src), idx
-
-    def consumers(self, name, idx=0):
-        return self.data_consumers.get((name, idx), [])
-
-
-def _data_inputs(node):
-    return [i for i in node.input if not i.startswith("^")]
-
-
-def _control_inputs(node):
-    return [i for i in node.input if i.startswith("^")]
-
-
-def _same_pool_attrs(a, b):
-    return all(a.attr[k] == b.attr[k] for k in _POOL_ATTRS)
-
-
-def _match(g, pool):
-    """A fusion plan for MaxPool node `pool`, or None (with the reason logged)."""
-    data = _data_inputs(pool)
-    relu, idx = g.producer(data[0]) if data else (None, None)
-    if relu is None or relu.op != "Relu" or idx != 0:
-        return None  # not a ReLU + max pool pattern: nothing to say
-    where = f"rewrite_graph: MaxPool {pool.name!r} after Relu {relu.name!r} not fused"
-    if relu.attr["T"].type not in _SUPPORTED_ENUMS or pool.attr["T"].type != relu.attr["T"].type:
-        logger.info("%s: dtype %s is not supported", where, tf.as_dtype(relu.attr["T"].type).name)
-        return None
-    fmt = pool.attr["data_format"].s.decode()
-    pad = pool.attr["padding"].s.decode()
-    if fmt not in ("NHWC", "NCHW") or pad not in ("VALID", "SAME"):
-        logger.info("%s: data_format %s / padding %s is not supported", where, fmt, pad)
-        return None
-    grads = []
-    others = []
-    for name, pos in g.consumers(relu.name):
-        node = g.nodes[name]
-        if name == pool.name:
-            continue
-        if node.op == "MaxPoolGrad" and pos == 0 and _parse(_data_inputs(node)[1]) == (pool.name, 0) \
-                and _same_pool_attrs(node, pool):
-            grads.append(node)
-        elif node.op == "ReluGrad" and pos == 1:
-            continue  # checked below, against the MaxPoolGrad that feeds it
-        else:
-            others.append(name)
-    relu_grads = [g.nodes[n] for n, pos in g.consumers(relu.name)
-                  if g.nodes[n].op == "ReluGrad" and pos == 1]
-    plan = {"relu": relu, "pool": pool, "pool_grad": None, "relu_grad": None}
-    if len(grads) > 1:
-        others += [n.name for n in grads]
-    elif grads:
-        pool_grad = grads[0]
-        users = g.consumers(pool_grad.name)
-        relu_grad = g.nodes[users[0][0]] if len(users) == 1 else None
-        if relu_grad is None or relu_grad.op != "ReluGrad" or users[0][1] != 0 or \
-                _parse(_data_inputs(relu_grad)[1]) != (relu.name, 0):
-            logger.info("%s: its MaxPoolGrad %r does not feed exactly one matching ReluGrad "
-                        "(consumers: %s)", where, pool_grad.name, [u for u, _ in users])
-            return None
-        plan.update(pool_grad=pool_grad, relu_grad=relu_grad)
-    matched = {plan["relu_grad"].name} if plan["relu_grad"] is not None else set()
-    others += [n.name for n in relu_grads if n.name not in matched]
-    if others:
-        logger.info("%s: the Relu has other consumers %s, left in place", where, sorted(others))
-        return None
-    return plan
-
-
-def _attr_copy(dst, src, keys):
-    for k in keys:
-        dst.attr[k].CopyFrom(src.attr[k])
 
 
 def rewrite_graph(graph_def, keep=None):
@@ -183,82 +84,17 @@ def rewrite_graph(graph_def, keep=None):
     """
     keep = resolve_graph_keep(keep)
     load_library()  # the fused ops must be registered for the result to be importable
-    out = copy.deepcopy(graph_def)
-    g = _Graph(out)
-    plans = [p for p in (_match(g, n) for n in out.node if n.op == "MaxPool") if p is not None]
-    if not plans:
+    from tf_relupool import grappler  # the pass lives in the op library
+    fused, data, lines = grappler.rewrite_serialized_graph(graph_def.SerializeToString(), keep)
+    for line in lines:
+        logger.info("rewrite_graph: %s (keep=%s)", line, keep)
+    out = tf.compat.v1.GraphDef()
+    if data is None:
         logger.info("rewrite_graph: nothing to fuse")
-        return out
-    removed = {}    # removed node name -> name of the node whose control edge replaces it
-    replaced = {}   # node name -> new NodeDef
-    added = []
-    for p in plans:
-        relu, pool, pool_grad, relu_grad = p["relu"], p["pool"], p["pool_grad"], p["relu_grad"]
-        z = _data_inputs(relu)[0]
-        fwd = tf.compat.v1.NodeDef(name=pool.name, device=pool.device)
-        fwd.input.extend([z] + _control_inputs(relu) + _control_inputs(pool))
-        fwd.op = "ReluMaxPoolWithWindowArgmax" if keep == KEEP_ARGMAX else "ReluMaxPool"
-        _attr_copy(fwd, pool, ("T",) + _POOL_ATTRS)
-        fmt = pool.attr["data_format"].s.decode()
-        if keep == KEEP_ARGMAX:
-            targmax = argmax_dtype_for([None] * 4, list(pool.attr["ksize"].list.i), fmt)
-            fwd.attr["Targmax"].type = targmax.as_datatype_enum
-        replaced[pool.name] = fwd
-        removed[relu.name] = pool.name
-        logger.info("rewrite_graph: fused Relu %r + MaxPool %r%s (keep=%s)", relu.name, pool.name,
-                    "" if pool_grad is None else
-                    f" and their gradient {pool_grad.name!r} + {relu_grad.name!r}", keep)
-        if pool_grad is None:
-            continue
-        dy = _data_inputs(pool_grad)[2]
-        bwd = tf.compat.v1.NodeDef(name=relu_grad.name, device=relu_grad.device)
-        controls = _control_inputs(pool_grad) + _control_inputs(relu_grad)
-        if keep == KEEP_ARGMAX:
-            shape = tf.compat.v1.NodeDef(name=_unique(g, relu_grad.name + "/input_shape"),
-                                         op="Shape", device=relu_grad.device)
-            shape.input.append(z)
-            shape.attr["T"].CopyFrom(relu.attr["T"])
-            shape.attr["out_type"].type = tf.int32.as_datatype_enum
-            g.nodes[shape.name] = shape
-            added.append(shape)
-            bwd.op = "ReluMaxPoolGradFromWindowArgmax"
-            bwd.input.extend([shape.name, dy, f"{pool.name}:1"] + controls)
-            bwd.attr["Targmax"].type = fwd.attr["Targmax"].type
-            bwd.attr["Tshape"].type = tf.int32.as_datatype_enum
-            # The codes come straight from the fused forward: valid by construction (ops.py).
-            bwd.attr["validate_window_argmax"].b = False
-        else:
-            bwd.op = "ReluMaxPoolGrad"
-            bwd.input.extend([z, dy] + controls)
-        _attr_copy(bwd, pool_grad, ("T",) + _POOL_ATTRS)
-        replaced[relu_grad.name] = bwd
-        removed[pool_grad.name] = relu_grad.name
-    nodes = []
-    for n in out.node:
-        if n.name in removed:
-            continue
-        n = replaced.get(n.name, n)
-        # Control edges on removed nodes move to their replacements (deduplicated).
-        if any(i.startswith("^") and i[1:] in removed for i in n.input):
-            fixed = []
-            for i in n.input:
-                if i.startswith("^") and i[1:] in removed:
-                    i = "^" + removed[i[1:]]
-                if i not in fixed or not i.startswith("^"):
-                    fixed.append(i)
-            del n.input[:]
-            n.input.extend(fixed)
-        nodes.append(n)
-    del out.node[:]
-    out.node.extend(nodes + added)
+        out.CopyFrom(graph_def)
+    else:
+        out.ParseFromString(data)
     return out
-
-
-def _unique(g, name):
-    candidate, i = name, 1
-    while candidate in g.nodes:
-        candidate, i = f"{name}_{i}", i + 1
-    return candidate
 
 
 def rewrite_function(concrete_function, keep=None):
@@ -293,6 +129,10 @@ def rewrite_function(concrete_function, keep=None):
         feeds = dict(zip(input_names, list(args) + inside))
         outs = tf.graph_util.import_graph_def(graph_def, input_map=feeds,
                                               return_elements=output_names, name="")
-        return tf.nest.pack_sequence_as(structure, outs, expand_composites=True)
+        # cf.outputs leaves out the None entries of the structure (e.g. a gradient of None).
+        flat = iter(outs)
+        filled = [None if a is None else next(flat)
+                  for a in tf.nest.flatten(structure, expand_composites=True)]
+        return tf.nest.pack_sequence_as(structure, filled, expand_composites=True)
 
     return tf.compat.v1.wrap_function(imported, specs)

@@ -4,7 +4,11 @@ Fusable, when the ReLU's output has no consumer but the MaxPooling2D (and is no 
   - Conv*/Dense/... with activation="relu" -> MaxPooling2D: the layer gets activation="linear",
     the pool becomes ReluMaxPool2D with the same arguments;
   - ReLU() (default arguments) or Activation("relu") -> MaxPooling2D: the ReLU layer is dropped,
-    the pool becomes ReluMaxPool2D.
+    the pool becomes ReluMaxPool2D;
+  - either of these with a ZeroPadding2D between the ReLU and the MaxPooling2D (the ResNet and
+    DenseNet stems), whose output feeds only the pool: relu(pad0(z)) == pad0(relu(z)) element by
+    element, so the padding moves before the ReLU and the pool becomes ReluMaxPool2D over the
+    padded z.
 Everything else is copied as it is (weights included); patterns that look like a candidate but
 cannot be fused (other activations, 1-D/3-D pooling, a ReLU with several consumers, a layer with
 a ReLU activation called at several places, different dtype policies) get one INFO line on the
@@ -114,37 +118,44 @@ class _Rewriter:
             "tf_relupool.rewrite_graph on its traced graph.")
 
     # -- deciding -----------------------------------------------------------------------------
-    def _check(self, producer, pool, n_consumers, n_calls, where):
-        """True if producer -> pool can be fused; logs why not for candidates."""
+    def _check(self, producer, pool, n_consumers, n_calls, where, pad=None, pad_consumers=1):
+        """True if producer -> pool (or producer -> pad -> pool, pad a ZeroPadding2D) can be
+        fused; logs why not for candidates."""
         act = _activation_name(producer)
+        path = f"{producer.name} -> " + (f"{pad.name} -> " if pad is not None else "") + pool.name
         if isinstance(pool, _OTHER_POOLS):
             if act == "relu":
-                logger.info("rewrite_model: %s -> %s not fused: only 2-D max pooling has a "
-                            "fused op", producer.name, pool.name)
+                logger.info("rewrite_model: %s not fused: only 2-D max pooling has a fused op",
+                            path)
             return False
         if not isinstance(pool, keras.layers.MaxPooling2D) or isinstance(pool, ReluMaxPool2D):
             return False
         if act is None:
             return False
         if act != "relu":
-            logger.info("rewrite_model: %s -> %s not fused: activation %s is not ReLU",
-                        producer.name, pool.name, act)
+            logger.info("rewrite_model: %s not fused: activation %s is not ReLU", path, act)
             return False
         if _kind(producer) is None:
             return False
         if n_consumers != 1:
-            logger.info("rewrite_model: %s -> %s not fused: the ReLU output has %d consumers%s",
-                        producer.name, pool.name, n_consumers, where)
+            logger.info("rewrite_model: %s not fused: the ReLU output has %d consumers%s",
+                        path, n_consumers, where)
+            return False
+        if pad_consumers != 1:
+            logger.info("rewrite_model: %s not fused: the padding's output has %d consumers (or "
+                        "is a model output)", path, pad_consumers)
             return False
         if n_calls != 1 and _kind(producer) == "linearize":
-            logger.info("rewrite_model: %s -> %s not fused: %s is called at %d places",
-                        producer.name, pool.name, producer.name, n_calls)
+            logger.info("rewrite_model: %s not fused: %s is called at %d places",
+                        path, producer.name, n_calls)
             return False
-        if producer.compute_dtype != pool.compute_dtype:
-            logger.info("rewrite_model: %s -> %s not fused: compute dtypes differ (%s, %s)",
-                        producer.name, pool.name, producer.compute_dtype, pool.compute_dtype)
+        dtypes = {producer.compute_dtype, pool.compute_dtype} | (
+            {pad.compute_dtype} if pad is not None else set())
+        if len(dtypes) != 1:
+            logger.info("rewrite_model: %s not fused: compute dtypes differ (%s)",
+                        path, ", ".join(sorted(dtypes)))
             return False
-        logger.info("rewrite_model: fused %s -> %s into ReluMaxPool2D", producer.name, pool.name)
+        logger.info("rewrite_model: fused %s into ReluMaxPool2D", path)
         self.fused += 1
         return True
 
@@ -156,12 +167,17 @@ class _Rewriter:
         while i < len(layers):
             layer = layers[i]
             nxt = layers[i + 1] if i + 1 < len(layers) else None
+            pad = None
+            if isinstance(nxt, keras.layers.ZeroPadding2D) and i + 2 < len(layers):
+                pad, nxt = nxt, layers[i + 2]
             if nxt is not None and not isinstance(layer, keras.layers.InputLayer) and \
-                    self._check(layer, nxt, 1, 1, ""):
+                    self._check(layer, nxt, 1, 1, "", pad=pad):
                 if _kind(layer) == "linearize":
                     new_layers.append(self.copy_layer(layer, {"activation": "linear"}))
+                if pad is not None:
+                    new_layers.append(self.copy_layer(pad))
                 new_layers.append(_fused_pool(nxt, self.keep))
-                i += 2
+                i += 3 if pad is not None else 2
                 continue
             new_layers.append(self.copy_layer(layer))
             i += 1
@@ -199,9 +215,21 @@ class _Rewriter:
             if id(producer) not in node_ids or producer.is_input or \
                     len(producer.input_tensors) != 1 or len(producer.outputs) != 1:
                 continue
+            pad, pad_consumers = None, 1
+            if isinstance(op, keras.layers.ZeroPadding2D):  # ReLU -> ZeroPadding2D -> pool
+                pad, pad_consumers = op, consumers.get(id(t), 0)
+                t = producer.input_tensors[0]
+                op, node_index, _ = t._keras_history
+                if op is None or len(op._inbound_nodes) <= node_index:
+                    continue
+                producer = op._inbound_nodes[node_index]
+                if id(producer) not in node_ids or producer.is_input or \
+                        len(producer.input_tensors) != 1 or len(producer.outputs) != 1:
+                    continue
             where = "" if consumers.get(id(t), 0) == 1 else " (it feeds several layers or is " \
                 "a model output)"
-            if self._check(op, n.operation, consumers.get(id(t), 0), calls[id(op)], where):
+            if self._check(op, n.operation, consumers.get(id(t), 0), calls[id(op)], where,
+                           pad=pad, pad_consumers=pad_consumers):
                 fused_pools[id(n)] = producer
                 fused_producers[id(producer)] = _kind(op)
 
