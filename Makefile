@@ -31,7 +31,7 @@ install: $(VENV)/.installed
 # with oneDNN can land. (test_examples.py's stock-vs-fused trainings stay in the first pass only:
 # minutes each, and test_keras_integration.py covers bitwise training in the second.)
 STOCK_TESTS ?= tests/test_ops.py tests/test_rewrite.py tests/test_layers.py \
-	tests/test_keras_integration.py tests/test_fuzz.py tests/test_higher_order.py
+	tests/test_keras_integration.py tests/test_fuzz.py tests/test_higher_order.py tests/test_grappler.py
 
 test: install
 	$(VENV)/bin/pytest -q tests
