@@ -1,18 +1,26 @@
 // CPU kernels for fused ReLU + max pooling; the reference the CUDA kernels are checked against.
 //
+// NO include guard: relu_max_pool_cpu.cc includes this file once per instruction set (baseline
+// x86-64, AVX2, AVX-512), each time inside its own namespace and `#pragma GCC target` region,
+// after relu_max_pool_cpu_simd.h, and dispatches at run time. One source for every path, so the
+// paths cannot drift apart; they are bitwise identical because every operation here is an exact
+// IEEE operation (compare, select, max by compare, add, multiply by 0 or 1) done in a fixed
+// order, whatever the vector width. Keep it so: no a * b + c anywhere (the AVX-512 target allows
+// FMA, and setup.py passes -ffp-contract=off as a second guard), no reassociated sums.
+//
 // Layout: (images x rows x cols x lanes), see PoolParams. Loops keep lanes innermost so that NHWC
 // channels vectorise. Work is split over (image, row) units; each unit writes a disjoint part of
 // the output and no result depends on the split, so any thread count gives identical bits.
-#include <algorithm>
-#include <atomic>
-#include <cstring>
-#include <type_traits>
-#include <vector>
-
-#include "relu_max_pool.h"
-
-namespace tf_relupool {
-namespace {
+//
+// Two kinds of loops:
+//  - general ones (any window, stride, padding, dtype), written in plain C++ for the compiler to
+//    vectorise along lanes (NHWC) or output columns (NCHW interior windows);
+//  - for 2x2 windows with stride 2 in float and bfloat16 (what CNN training uses), explicit
+//    vector loops (relu_max_pool_cpu_simd.h) that read each input once and write each output
+//    once with no intermediate buffers: the forward computes the max and the window code of
+//    kVecLanes outputs from four vector loads; the backward expands kVecLanes codes and dy
+//    values into the four dz values of each window. Windows clipped by the input's edge (odd
+//    sizes) go through the general loops.
 
 template <typename T>
 using Acc = typename ValueTraits<T>::Acc;
@@ -103,11 +111,14 @@ struct RowScan {
   explicit RowScan(const PoolParams& p)
       : max(p.out_cols * p.lanes), pos(p.out_cols * p.lanes), first_nan(p.out_cols * p.lanes) {}
 
-  // Scans output row (img, ph) of z. WithArgmax also tracks positions.
+  // Scans output row (img, ph) of z from output column pw_begin on (elements from
+  // pw_begin * lanes). WithArgmax also tracks positions.
   template <bool WithArgmax>
-  void Run(const PoolParams& p, const T* __restrict z, int64_t img, int64_t ph) {
-    const ColumnRange inner = p.lanes == 1 ? InteriorColumns(p) : ColumnRange{0, 0};
-    for (int64_t pw = 0; pw < p.out_cols; ++pw) {
+  void Run(const PoolParams& p, const T* __restrict z, int64_t img, int64_t ph,
+           int64_t pw_begin = 0) {
+    ColumnRange inner = p.lanes == 1 ? InteriorColumns(p) : ColumnRange{0, 0};
+    inner.begin = std::max(inner.begin, pw_begin);
+    for (int64_t pw = pw_begin; pw < p.out_cols; ++pw) {
       if (pw == inner.begin && inner.end > inner.begin) {
         RunInterior<WithArgmax>(p, z, img, ph, inner);
         pw = inner.end - 1;
@@ -224,9 +235,261 @@ void FillZero(T* data, int64_t n, const ParallelRunner& runner) {
   runner.For(n, 1, [&](int64_t b, int64_t e) { std::memset(data + b, 0, (e - b) * sizeof(T)); });
 }
 
-}  // namespace
 
-namespace {
+// ---- 2x2 windows, stride 2 (float and bfloat16) ----
+//
+// Per output element, the four window values v0..v3 in row-major order. The forward's max from
+// the lowest value with `max < relu(v)` equals the scan of RowScan; its code is the first position
+// holding that max when the max is positive and v0 is not NaN (the stock gradient's argmax, see
+// relu_max_pool.h), else the sentinel. Routing a positive max to the FIRST position equal to it
+// is the scan's rule: later positions take over only when strictly greater.
+
+#ifdef TFRP_CPU_NO_SIMD
+// No vector extensions in this build: the general loops do everything.
+template <typename T>
+constexpr bool kHas2x2Path = false;
+template <typename T>
+inline bool Use2x2Path(const PoolParams&) { return false; }
+inline int64_t FullRows2x2(const PoolParams&) { return 0; }
+inline int64_t FullCols2x2(const PoolParams&) { return 0; }
+template <typename T, bool kY, bool kCodes>
+void Forward2x2Row(const PoolParams&, const T*, int64_t, int64_t, int64_t, T*, uint8_t*) {}
+template <typename T, bool kFromInput>
+void Backward2x2Row(const PoolParams&, const T*, const uint8_t*, const T*, int64_t, int64_t,
+                    int64_t, T*) {}
+#else
+template <typename T>
+constexpr bool kHas2x2Path = VecType<T>::kSupported;
+template <typename T>
+inline bool Use2x2Path(const PoolParams& p) {
+  return kHas2x2Path<T> && p.window_rows == 2 && p.window_cols == 2 &&
+         p.stride_rows == 2 && p.stride_cols == 2 && p.pad_top == 0 && p.pad_left == 0;
+}
+// Output rows / columns [0, n) whose 2x2 windows lie wholly inside the input.
+inline int64_t FullRows2x2(const PoolParams& p) { return std::min(p.in_rows / 2, p.out_rows); }
+inline int64_t FullCols2x2(const PoolParams& p) { return std::min(p.in_cols / 2, p.out_cols); }
+
+// One output element (scalar; the tails of the vector loops). code: 0..3, or -1 for the sentinel.
+template <typename A>
+inline void Pool4(A v0, A v1, A v2, A v3, A lowest, A* max, int32_t* code) {
+  const A r0 = Relu(v0), r1 = Relu(v1), r2 = Relu(v2), r3 = Relu(v3);
+  A m = lowest;
+  m = m < r0 ? r0 : m;
+  m = m < r1 ? r1 : m;
+  m = m < r2 ? r2 : m;
+  m = m < r3 ? r3 : m;
+  int32_t pos = r2 == m ? 2 : 3;
+  pos = r1 == m ? 1 : pos;
+  pos = r0 == m ? 0 : pos;
+  const bool none = (v0 != v0) | !(m > A(0));
+  *max = m;
+  *code = none ? -1 : pos;
+}
+
+// kVecLanes output elements; code lanes hold 0..3 or `sentinel`.
+inline void Pool4Vec(VecF v0, VecF v1, VecF v2, VecF v3, VecF lowest, uint32_t sentinel,
+                     VecF* max, VecU* code) {
+  const VecF zero = {};
+  const VecF r0 = v0 < zero ? zero : v0, r1 = v1 < zero ? zero : v1;
+  const VecF r2 = v2 < zero ? zero : v2, r3 = v3 < zero ? zero : v3;
+  VecF m = lowest;
+  m = m < r0 ? r0 : m;
+  m = m < r1 ? r1 : m;
+  m = m < r2 ? r2 : m;
+  m = m < r3 ? r3 : m;
+  VecU pos = r2 == m ? SplatU(2) : SplatU(3);
+  pos = r1 == m ? SplatU(1) : pos;
+  pos = r0 == m ? SplatU(0) : pos;
+  const VecI none = (v0 != v0) | ~(m > zero);
+  *max = m;
+  *code = none ? SplatU(sentinel) : pos;
+}
+
+// The four dz values (as T bits) of one window from its code and dy, as RowGrad::Set/Write:
+// dy + 0 at the code's position; for the sentinel, (dy + 0) * 0 at position 0; +0 elsewhere.
+template <typename T>
+inline void Scatter4(int32_t code, T dy, Bits<T> out[4]) {
+  const T zero = ValueTraits<T>::FromAcc(Acc<T>(0));
+  const T g = AddAcc(zero, dy);
+  const Bits<T> hit = ToBits(g);
+  const Bits<T> first = code < 0 ? ToBits(MaskAcc(g, false)) : Bits<T>(0);
+  out[0] = code == 0 ? hit : first;
+  out[1] = code == 1 ? hit : Bits<T>(0);
+  out[2] = code == 2 ? hit : Bits<T>(0);
+  out[3] = code == 3 ? hit : Bits<T>(0);
+}
+template <typename T>
+inline void Scatter4Vec(VecU code, VecF dy, uint32_t sentinel, VecU out[4]) {
+  using V = VecType<T>;
+  const VecU hit = V::Round(VecF{} + dy);           // AddAcc(+0, dy)
+  const VecU masked = V::Round(V::Widen(hit) * SplatF(0.0f));  // MaskAcc(that, false)
+  const VecU zero = {};
+  const VecU first = code == sentinel ? masked : zero;
+  out[0] = code == 0u ? hit : first;
+  out[1] = code == 1u ? hit : zero;
+  out[2] = code == 2u ? hit : zero;
+  out[3] = code == 3u ? hit : zero;
+}
+
+// Calls vec(i) for i = 0, kVecLanes, 2 * kVecLanes, ... and, when n is not a multiple of
+// kVecLanes, once more for the last kVecLanes elements (overlapping the previous call: those
+// elements are computed and written twice, with the same bits, which is cheaper than a scalar
+// tail); calls scalar(i) for every i when n < kVecLanes. Outputs never alias inputs (the
+// OpKernels allocate every output), so a second write cannot change what is read.
+template <typename Vec, typename Scalar>
+inline void ForEachVector(int64_t n, Vec vec, Scalar scalar) {
+  if (n < kVecLanes) {
+    for (int64_t i = 0; i < n; ++i) scalar(i);
+    return;
+  }
+  int64_t i = 0;
+  for (; i + kVecLanes <= n; i += kVecLanes) vec(i);
+  if (i < n) vec(n - kVecLanes);
+}
+
+// Forward of output row (img, ph), columns [0, cols) (all windows inside the input): y (kY) and
+// uint8 codes (kCodes) of the row.
+template <typename T, bool kY, bool kCodes>
+void Forward2x2Row(const PoolParams& p, const T* __restrict z, int64_t img, int64_t ph,
+                   int64_t cols, T* __restrict y, uint8_t* __restrict codes) {
+  using V = VecType<T>;
+  const int64_t L = p.lanes;
+  const T* r0 = z + (img * p.in_rows + 2 * ph) * p.in_cols * L;
+  const T* r1 = r0 + p.in_cols * L;
+  const Acc<T> lowest = ValueTraits<T>::Lowest();
+  const VecF vlowest = SplatF(lowest);
+  constexpr uint32_t kSentinel = ArgmaxSentinel<uint8_t>();
+  // Output element o from the window whose first value is at offset `at` of both input rows;
+  // `next` is the offset of the window's second column.
+  auto scalar = [&](int64_t o, int64_t at, int64_t next) {
+    Acc<T> m;
+    int32_t code;
+    Pool4(LoadAcc(r0, at), LoadAcc(r0, at + next), LoadAcc(r1, at), LoadAcc(r1, at + next),
+          lowest, &m, &code);
+    if (kY) y[o] = ValueTraits<T>::FromAcc(m);
+    if (kCodes) codes[o] = static_cast<uint8_t>(code < 0 ? kSentinel : code);
+  };
+  auto store = [&](VecF m, VecU code, int64_t o) {
+    if (kY) V::Store(y + o, V::Exact(m));  // m is one of T's values: no rounding
+    if (kCodes) NarrowToBytes(code, codes + o);
+  };
+  if (L == 1) {
+    // NCHW: kVecLanes outputs of the row from 2 * kVecLanes values of each input row.
+    ForEachVector(
+        cols,
+        [&](int64_t pw) {
+          VecF v0, v1, v2, v3, m;
+          VecU code;
+          V::LoadPairs(r0 + 2 * pw, &v0, &v1);
+          V::LoadPairs(r1 + 2 * pw, &v2, &v3);
+          Pool4Vec(v0, v1, v2, v3, vlowest, kSentinel, &m, &code);
+          store(m, code, pw);
+        },
+        [&](int64_t pw) { scalar(pw, 2 * pw, 1); });
+    return;
+  }
+  // NHWC: kVecLanes channels of one window at a time.
+  for (int64_t pw = 0; pw < cols; ++pw) {
+    const int64_t at = 2 * pw * L;
+    ForEachVector(
+        L,
+        [&](int64_t l) {
+          VecF m;
+          VecU code;
+          Pool4Vec(V::Load(r0 + at + l), V::Load(r0 + at + L + l), V::Load(r1 + at + l),
+                   V::Load(r1 + at + L + l), vlowest, kSentinel, &m, &code);
+          store(m, code, pw * L + l);
+        },
+        [&](int64_t l) { scalar(pw * L + l, at + l, L); });
+  }
+}
+
+// Backward of output row (img, ph), columns [0, cols) (all windows inside the input), into the
+// two dz rows 2 * ph and 2 * ph + 1. The codes are read (kFromInput false: `codes`, from the
+// forward) or computed from z (kFromInput: the keep="input" backward, which reads z once).
+template <typename T, bool kFromInput>
+void Backward2x2Row(const PoolParams& p, const T* __restrict z, const uint8_t* __restrict codes,
+                    const T* __restrict dy, int64_t img, int64_t ph, int64_t cols,
+                    T* __restrict dz) {
+  using V = VecType<T>;
+  const int64_t L = p.lanes;
+  const int64_t row = p.in_cols * L;
+  const int64_t first = (img * p.in_rows + 2 * ph) * row;
+  T* d0 = dz + first;
+  T* d1 = d0 + row;
+  const T* r0 = kFromInput ? z + first : nullptr;
+  const T* r1 = kFromInput ? r0 + row : nullptr;
+  const Acc<T> lowest = ValueTraits<T>::Lowest();
+  const VecF vlowest = SplatF(lowest);
+  constexpr uint32_t kSentinel = ArgmaxSentinel<uint8_t>();
+  AliasBits<T>* b0 = reinterpret_cast<AliasBits<T>*>(d0);
+  AliasBits<T>* b1 = reinterpret_cast<AliasBits<T>*>(d1);
+  // Output element o, whose window starts at offset `at` of both rows; `next` is the offset of
+  // the window's second column.
+  auto scalar = [&](int64_t o, int64_t at, int64_t next) {
+    int32_t code;
+    if (kFromInput) {
+      Acc<T> m;
+      Pool4(LoadAcc(r0, at), LoadAcc(r0, at + next), LoadAcc(r1, at), LoadAcc(r1, at + next),
+            lowest, &m, &code);
+    } else {
+      code = codes[o] == kSentinel ? -1 : codes[o];
+    }
+    Bits<T> s[4];
+    Scatter4<T>(code, dy[o], s);
+    b0[at] = s[0];
+    b0[at + next] = s[1];
+    b1[at] = s[2];
+    b1[at + next] = s[3];
+  };
+  // kVecLanes codes of output elements [o, o + kVecLanes); the windows start at offset `at` of
+  // both rows, as pairs (NCHW) or at `at` and `at + L` (NHWC).
+  auto vector_code = [&](int64_t o, int64_t at, bool pairs) -> VecU {
+    if (!kFromInput) return WidenBytes(codes + o);
+    VecF v0, v1, v2, v3, m;
+    VecU code;
+    if (pairs) {
+      V::LoadPairs(r0 + at, &v0, &v1);
+      V::LoadPairs(r1 + at, &v2, &v3);
+    } else {
+      v0 = V::Load(r0 + at);
+      v1 = V::Load(r0 + at + L);
+      v2 = V::Load(r1 + at);
+      v3 = V::Load(r1 + at + L);
+    }
+    Pool4Vec(v0, v1, v2, v3, vlowest, kSentinel, &m, &code);
+    return code;
+  };
+  if (L == 1) {
+    ForEachVector(
+        cols,
+        [&](int64_t pw) {
+          VecU out[4];
+          Scatter4Vec<T>(vector_code(pw, 2 * pw, true), V::Load(dy + pw), kSentinel, out);
+          V::StorePairs(d0 + 2 * pw, out[0], out[1]);
+          V::StorePairs(d1 + 2 * pw, out[2], out[3]);
+        },
+        [&](int64_t pw) { scalar(pw, 2 * pw, 1); });
+    return;
+  }
+  for (int64_t pw = 0; pw < cols; ++pw) {
+    const int64_t at = 2 * pw * L;
+    ForEachVector(
+        L,
+        [&](int64_t l) {
+          VecU out[4];
+          Scatter4Vec<T>(vector_code(pw * L + l, at + l, false), V::Load(dy + pw * L + l),
+                         kSentinel, out);
+          V::Store(d0 + at + l, out[0]);
+          V::Store(d0 + at + L + l, out[1]);
+          V::Store(d1 + at + l, out[2]);
+          V::Store(d1 + at + L + l, out[3]);
+        },
+        [&](int64_t l) { scalar(pw * L + l, at + l, L); });
+  }
+}
+#endif  // TFRP_CPU_NO_SIMD
+
 // Forward; y and/or argmax may be null (the keep-z backward only wants the codes).
 template <typename T, typename C>
 void ForwardImpl(const PoolParams& p, const T* z, T* y, C* argmax, const ParallelRunner& runner) {
@@ -234,31 +497,47 @@ void ForwardImpl(const PoolParams& p, const T* z, T* y, C* argmax, const Paralle
   const int64_t cost = std::max<int64_t>(1, p.out_cols * p.lanes * p.window_rows * p.window_cols) *
                        kCyclesPerElement;
   const int64_t row = p.out_cols * p.lanes;
+  // The 2x2 loops write uint8 codes (the default code type of 2x2 windows) or none.
+  const bool fast = Use2x2Path<T>(p) && (argmax == nullptr || std::is_same<C, uint8_t>::value);
+  const int64_t full_rows = fast ? FullRows2x2(p) : 0, full_cols = fast ? FullCols2x2(p) : 0;
   runner.For(units, cost, [&](int64_t begin, int64_t end) {
     RowScan<T> scan(p);
     for (int64_t u = begin; u < end; ++u) {
+      const int64_t img = u / p.out_rows, ph = u % p.out_rows;
+      int64_t done = 0;  // output columns written by the 2x2 loop
+      if constexpr (kHas2x2Path<T>) {
+        if (ph < full_rows && full_cols > 0) {
+          T* yr = y == nullptr ? nullptr : y + u * row;
+          uint8_t* codes = nullptr;
+          if constexpr (std::is_same<C, uint8_t>::value) {
+            codes = argmax == nullptr ? nullptr : argmax + u * row;
+          }
+          if (yr != nullptr && codes != nullptr) {
+            Forward2x2Row<T, true, true>(p, z, img, ph, full_cols, yr, codes);
+          } else if (yr != nullptr) {
+            Forward2x2Row<T, true, false>(p, z, img, ph, full_cols, yr, nullptr);
+          } else {
+            Forward2x2Row<T, false, true>(p, z, img, ph, full_cols, nullptr, codes);
+          }
+          done = full_cols;
+          if (done == p.out_cols) continue;
+        }
+      }
       if (argmax != nullptr) {
-        scan.template Run<true>(p, z, u / p.out_rows, u % p.out_rows);
+        scan.template Run<true>(p, z, img, ph, done);
         C* __restrict cp = argmax + u * row;
-        for (int64_t i = 0; i < row; ++i) cp[i] = scan.template Code<C>(i);
+        for (int64_t i = done * p.lanes; i < row; ++i) cp[i] = scan.template Code<C>(i);
       } else {
-        scan.template Run<false>(p, z, u / p.out_rows, u % p.out_rows);
+        scan.template Run<false>(p, z, img, ph, done);
       }
       if (y != nullptr) {
         T* __restrict yp = y + u * row;
-        for (int64_t i = 0; i < row; ++i) yp[i] = ValueTraits<T>::FromAcc(scan.max[i]);
+        for (int64_t i = done * p.lanes; i < row; ++i) yp[i] = ValueTraits<T>::FromAcc(scan.max[i]);
       }
     }
   });
 }
-}  // namespace
 
-template <typename T>
-void ReluMaxPoolForwardCpu(const PoolParams& p, const T* z, T* y, const ParallelRunner& runner) {
-  ForwardImpl<T, uint8_t>(p, z, y, nullptr, runner);
-}
-
-namespace {
 // True when the windows tile the input exactly (window == stride and no leftover rows or
 // columns): then every dz element is written by exactly one window and nothing needs zeroing.
 inline bool WindowsTileInput(const PoolParams& p) {
@@ -287,10 +566,12 @@ struct RowGrad {
     first[i] = SelectBits<Bits<T>>(positive, Bits<T>(0), ToBits(MaskAcc(g, false)));
   }
 
-  // Writes the row's windows into dz (disjoint windows only). +0 is all-zero bits in every type.
-  void Write(const PoolParams& p, int64_t img, int64_t ph, T* dz) const {
-    const ColumnRange inner = p.lanes == 1 ? InteriorColumns(p) : ColumnRange{0, 0};
-    for (int64_t pw = 0; pw < p.out_cols; ++pw) {
+  // Writes the row's windows from output column pw_begin on into dz (disjoint windows only).
+  // +0 is all-zero bits in every type.
+  void Write(const PoolParams& p, int64_t img, int64_t ph, int64_t pw_begin, T* dz) const {
+    ColumnRange inner = p.lanes == 1 ? InteriorColumns(p) : ColumnRange{0, 0};
+    inner.begin = std::max(inner.begin, pw_begin);
+    for (int64_t pw = pw_begin; pw < p.out_cols; ++pw) {
       if (pw == inner.begin && inner.end > inner.begin) {
         WriteInterior(p, img, ph, inner, dz);
         pw = inner.end - 1;
@@ -353,10 +634,12 @@ struct RowGrad {
 };
 
 // Disjoint windows: each (image, output row) unit owns a band of input rows; it zeroes the band
-// unless the windows tile it, then writes the row's window gradients. fill(img, ph, grad) sets
-// every element of `grad` for that row.
-template <typename T, typename Fill>
-void DisjointBackward(const PoolParams& p, const ParallelRunner& runner, T* dz, Fill fill) {
+// unless the windows tile it, then writes the row's window gradients: fast(img, ph) writes output
+// columns [0, n) and returns n (0 when it does not apply); fill() gives a per-shard function that
+// sets the elements of `grad` from output column pw_begin on, which RowGrad then writes.
+template <typename T, typename Fill, typename Fast>
+void DisjointBackward(const PoolParams& p, const ParallelRunner& runner, T* dz, Fill fill,
+                      Fast fast) {
   const int64_t units = p.images * p.out_rows;
   const int64_t cost = std::max<int64_t>(1, p.in_cols * p.lanes * p.stride_rows) * kCyclesPerElement;
   const bool tiles = WindowsTileInput(p);
@@ -371,8 +654,10 @@ void DisjointBackward(const PoolParams& p, const ParallelRunner& runner, T* dz, 
         const int64_t row_elems = p.in_cols * p.lanes;
         std::memset(dz + (img * p.in_rows + rb) * row_elems, 0, (re - rb) * row_elems * sizeof(T));
       }
-      fill_row(img, ph, &grad);
-      grad.Write(p, img, ph, dz);
+      const int64_t done = fast(img, ph);
+      if (done == p.out_cols) continue;
+      fill_row(img, ph, done, &grad);
+      grad.Write(p, img, ph, done, dz);
     }
   });
 }
@@ -485,22 +770,22 @@ auto WithWorkspaceCodeType(const PoolParams& p, Fn fn) {
   return fn(int32_t{});
 }
 
-}  // namespace
+// ---- Entry points (called by relu_max_pool_cpu.cc's dispatch) ----
+
+template <typename T>
+void Forward(const PoolParams& p, const T* z, T* y, const ParallelRunner& runner) {
+  ForwardImpl<T, uint8_t>(p, z, y, nullptr, runner);
+}
 
 template <typename T, typename C>
-void ReluMaxPoolForwardWithArgmaxCpu(const PoolParams& p, const T* z, T* y, C* argmax,
-                                     const ParallelRunner& runner) {
+void ForwardWithArgmax(const PoolParams& p, const T* z, T* y, C* argmax,
+                       const ParallelRunner& runner) {
   ForwardImpl<T, C>(p, z, y, argmax, runner);
 }
 
-int64_t BackwardFromInputWorkspaceBytes(const PoolParams& p) {
-  if (p.windows_disjoint()) return 0;
-  return WithWorkspaceCodeType(p, [&](auto c) { return p.out_elements() * int64_t(sizeof(c)); });
-}
-
 template <typename T>
-void ReluMaxPoolBackwardFromInputCpu(const PoolParams& p, const T* z, const T* dy, T* dz,
-                                     void* workspace, const ParallelRunner& runner) {
+void BackwardFromInput(const PoolParams& p, const T* z, const T* dy, T* dz, void* workspace,
+                       const ParallelRunner& runner) {
   if (p.out_elements() == 0) return FillZero(dz, p.in_elements(), runner);
   if (!p.windows_disjoint()) {
     // Overlapping windows: codes into the workspace (z read once), then the gather.
@@ -513,23 +798,63 @@ void ReluMaxPoolBackwardFromInputCpu(const PoolParams& p, const T* z, const T* d
     });
     return;
   }
-  DisjointBackward<T>(p, runner, dz, [&]() {
-    return [&p, z, dy, scan = RowScan<T>(p)](int64_t img, int64_t ph, RowGrad<T>* grad) mutable {
-      scan.template Run<true>(p, z, img, ph);
-      const T* dyr = dy + (img * p.out_rows + ph) * p.out_cols * p.lanes;
-      for (int64_t i = 0; i < p.out_cols * p.lanes; ++i) {
-        grad->Set(i, scan.template Code<int32_t>(i), dyr[i]);
-      }
-    };
-  });
+  const int64_t full_rows = Use2x2Path<T>(p) ? FullRows2x2(p) : 0;
+  const int64_t full_cols = Use2x2Path<T>(p) ? FullCols2x2(p) : 0;
+  const int64_t row = p.out_cols * p.lanes;
+  DisjointBackward<T>(
+      p, runner, dz,
+      [&]() {
+        return [&p, z, dy, row, scan = RowScan<T>(p)](int64_t img, int64_t ph, int64_t pw_begin,
+                                                      RowGrad<T>* grad) mutable {
+          scan.template Run<true>(p, z, img, ph, pw_begin);
+          const T* dyr = dy + (img * p.out_rows + ph) * row;
+          for (int64_t i = pw_begin * p.lanes; i < row; ++i) {
+            grad->Set(i, scan.template Code<int32_t>(i), dyr[i]);
+          }
+        };
+      },
+      [&](int64_t img, int64_t ph) -> int64_t {
+        if constexpr (kHas2x2Path<T>) {
+          if (ph >= full_rows || full_cols == 0) return 0;
+          Backward2x2Row<T, true>(p, z, nullptr, dy + (img * p.out_rows + ph) * row, img, ph,
+                                  full_cols, dz);
+          return full_cols;
+        }
+        return 0;
+      });
+}
+
+// True when no window is clipped by the input's edges: then a code is valid exactly when it is
+// the sentinel or below code_positions, which one pass over the codes checks.
+inline bool AllWindowsInside(const PoolParams& p) {
+  return p.pad_top == 0 && p.pad_left == 0 &&
+         (p.out_rows == 0 || (p.out_rows - 1) * p.stride_rows <= p.in_rows - p.window_rows) &&
+         (p.out_cols == 0 || (p.out_cols - 1) * p.stride_cols <= p.in_cols - p.window_cols);
 }
 
 template <typename C>
-int64_t FindInvalidArgmaxCpu(const PoolParams& p, const C* argmax, const ParallelRunner& runner) {
-  std::atomic<int64_t> first_bad{-1};
-  const int64_t units = p.images * p.out_rows;
+int64_t FindInvalidArgmax(const PoolParams& p, const C* argmax, const ParallelRunner& runner) {
   using U = std::make_unsigned_t<C>;  // negative int32 codes become huge, hence invalid
   const U sentinel = static_cast<U>(ArgmaxSentinel<C>());
+  if (AllWindowsInside(p)) {
+    // One branch-free pass (it vectorises); only when it finds a bad code does the search below
+    // run, to name the first one whatever the split.
+    const U limit = static_cast<U>(p.code_positions);
+    const U* codes = reinterpret_cast<const U*>(argmax);
+    constexpr int64_t kBlock = 4096;
+    std::atomic<bool> any_bad{false};
+    runner.For((p.out_elements() + kBlock - 1) / kBlock, kBlock, [&](int64_t begin, int64_t end) {
+      const int64_t stop = std::min(end * kBlock, p.out_elements());
+      U bad = 0;
+      for (int64_t i = begin * kBlock; i < stop; ++i) {
+        bad |= static_cast<U>((codes[i] != sentinel) & (codes[i] >= limit));
+      }
+      if (bad != 0) any_bad.store(true);
+    });
+    if (!any_bad.load()) return -1;
+  }
+  std::atomic<int64_t> first_bad{-1};
+  const int64_t units = p.images * p.out_rows;
   runner.For(units, std::max<int64_t>(1, p.out_cols * p.lanes) * 2, [&](int64_t begin, int64_t end) {
     for (int64_t u = begin; u < end; ++u) {
       const int64_t img = u / p.out_rows, ph = u % p.out_rows;
@@ -563,21 +888,35 @@ int64_t FindInvalidArgmaxCpu(const PoolParams& p, const C* argmax, const Paralle
 }
 
 template <typename T, typename C>
-void ReluMaxPoolBackwardFromArgmaxCpu(const PoolParams& p, const T* dy, const C* argmax, T* dz,
-                                      const ParallelRunner& runner) {
+void BackwardFromArgmax(const PoolParams& p, const T* dy, const C* argmax, T* dz,
+                        const ParallelRunner& runner) {
   if (p.out_elements() == 0) return FillZero(dz, p.in_elements(), runner);
   if (!p.windows_disjoint()) return OverlappingBackward<T, C>(p, dy, argmax, dz, runner);
-  DisjointBackward<T>(p, runner, dz, [&]() {
-    return [&p, dy, argmax](int64_t img, int64_t ph, RowGrad<T>* grad) {
-      const int64_t o = (img * p.out_rows + ph) * p.out_cols * p.lanes;
-      for (int64_t i = 0; i < p.out_cols * p.lanes; ++i) grad->Set(i, argmax[o + i], dy[o + i]);
-    };
-  });
+  const bool fast = Use2x2Path<T>(p) && std::is_same<C, uint8_t>::value;
+  const int64_t full_rows = fast ? FullRows2x2(p) : 0, full_cols = fast ? FullCols2x2(p) : 0;
+  const int64_t row = p.out_cols * p.lanes;
+  DisjointBackward<T>(
+      p, runner, dz,
+      [&]() {
+        return [&p, dy, argmax, row](int64_t img, int64_t ph, int64_t pw_begin, RowGrad<T>* grad) {
+          const int64_t o = (img * p.out_rows + ph) * row;
+          for (int64_t i = pw_begin * p.lanes; i < row; ++i) grad->Set(i, argmax[o + i], dy[o + i]);
+        };
+      },
+      [&](int64_t img, int64_t ph) -> int64_t {
+        if constexpr (kHas2x2Path<T> && std::is_same<C, uint8_t>::value) {
+          if (ph >= full_rows || full_cols == 0) return 0;
+          const int64_t o = (img * p.out_rows + ph) * row;
+          Backward2x2Row<T, false>(p, nullptr, argmax + o, dy + o, img, ph, full_cols, dz);
+          return full_cols;
+        }
+        return 0;
+      });
 }
 
 template <typename T, typename C>
-void ReluMaxPoolGradGradFromArgmaxCpu(const PoolParams& p, const T* ddz, const C* argmax, T* ddy,
-                                      const ParallelRunner& runner) {
+void GradGradFromArgmax(const PoolParams& p, const T* ddz, const C* argmax, T* ddy,
+                        const ParallelRunner& runner) {
   const int64_t units = p.images * p.out_rows;
   const int64_t row = p.out_cols * p.lanes;
   const C sentinel = ArgmaxSentinel<C>();
@@ -605,30 +944,3 @@ void ReluMaxPoolGradGradFromArgmaxCpu(const PoolParams& p, const T* ddz, const C
   });
 }
 
-#define TFRP_INSTANTIATE_T(T)                                                                     \
-  template void ReluMaxPoolForwardCpu<T>(const PoolParams&, const T*, T*, const ParallelRunner&); \
-  template void ReluMaxPoolBackwardFromInputCpu<T>(const PoolParams&, const T*, const T*, T*,     \
-                                                   void*, const ParallelRunner&);
-#define TFRP_INSTANTIATE_TC(T, C)                                                               \
-  template void ReluMaxPoolForwardWithArgmaxCpu<T, C>(const PoolParams&, const T*, T*, C*,      \
-                                                      const ParallelRunner&);                   \
-  template void ReluMaxPoolBackwardFromArgmaxCpu<T, C>(const PoolParams&, const T*, const C*, T*, \
-                                                       const ParallelRunner&);                 \
-  template void ReluMaxPoolGradGradFromArgmaxCpu<T, C>(const PoolParams&, const T*, const C*, T*, \
-                                                       const ParallelRunner&);
-#define TFRP_INSTANTIATE_ALL_C(T) \
-  TFRP_INSTANTIATE_T(T)           \
-  TFRP_INSTANTIATE_TC(T, uint8_t) \
-  TFRP_INSTANTIATE_TC(T, uint16_t) \
-  TFRP_INSTANTIATE_TC(T, int32_t)
-
-TFRP_INSTANTIATE_ALL_C(float)
-TFRP_INSTANTIATE_ALL_C(double)
-TFRP_INSTANTIATE_ALL_C(Half)
-TFRP_INSTANTIATE_ALL_C(BFloat16)
-
-template int64_t FindInvalidArgmaxCpu<uint8_t>(const PoolParams&, const uint8_t*, const ParallelRunner&);
-template int64_t FindInvalidArgmaxCpu<uint16_t>(const PoolParams&, const uint16_t*, const ParallelRunner&);
-template int64_t FindInvalidArgmaxCpu<int32_t>(const PoolParams&, const int32_t*, const ParallelRunner&);
-
-}  // namespace tf_relupool

@@ -1,0 +1,302 @@
+// CPU kernels for fused ReLU + max pooling, with run-time dispatch over instruction sets.
+//
+// The kernels (relu_max_pool_cpu_impl.h) are compiled here three times: for baseline x86-64
+// (SSE2, what the library is built for), and under `#pragma GCC target` for AVX2 and for AVX-512
+// (F, BW, VL, DQ), each copy in its own namespace. Each public entry point picks a copy at run
+// time from ActiveCpuIsa(). One translation unit, so the build (setup.py, BUILD, the Makefile's
+// test and GPU harness builds) compiles one file as before, with no per-file flags.
+//
+// Why pragmas and not per-file -mavx2 flags: functions from headers (std::vector, std::function,
+// numeric.h) are emitted as weak symbols by every object that uses them, and the linker keeps
+// one copy; compiled with -mavx2 in one object, that copy could run on a CPU without AVX2 and
+// die of SIGILL. Under the pragma only functions defined after it get the new target; the shared
+// header functions stay baseline (they are inlined into the target code where used there).
+// tests/test_cpu_dispatch.py checks the binary: AVX instructions appear only in functions of the
+// cpu_avx2 / cpu_avx512 namespaces.
+#include <algorithm>
+#include <atomic>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <mutex>
+#include <type_traits>
+#include <vector>
+
+#include "relu_max_pool.h"
+
+#if (defined(__x86_64__) || defined(_M_X64)) && defined(__GNUC__) && \
+    (defined(__clang__) || __GNUC__ >= 12)
+// GCC >= 12 / Clang: target pragmas, vector extensions with __builtin_convertvector and
+// __builtin_cpu_supports. Anything else builds the baseline path alone.
+#define TFRP_CPU_MULTI_ISA 1
+#include <immintrin.h>
+#else
+#define TFRP_CPU_MULTI_ISA 0
+#endif
+
+// The 64- and 128-byte vectors of the SIMD code are passed only between inlined functions of
+// internal linkage: GCC's note that their calling convention differs between targets is moot.
+#pragma GCC diagnostic ignored "-Wpsabi"
+
+namespace tf_relupool {
+
+#if TFRP_CPU_MULTI_ISA
+// ---- Baseline x86-64: SSE2 ----
+namespace cpu_baseline {
+namespace {
+#define TFRP_CPU_VEC_BYTES 16
+#define TFRP_CPU_ISA_AVX2 0
+#define TFRP_CPU_ISA_AVX512 0
+#include "relu_max_pool_cpu_simd.h"
+#include "relu_max_pool_cpu_impl.h"
+#undef TFRP_CPU_VEC_BYTES
+#undef TFRP_CPU_ISA_AVX2
+#undef TFRP_CPU_ISA_AVX512
+}  // namespace
+}  // namespace cpu_baseline
+
+// ---- AVX2 ----
+#pragma GCC push_options
+#pragma GCC target("avx2")
+#ifdef __clang__
+#pragma clang attribute push(__attribute__((target("avx2"))), apply_to = function)
+#endif
+namespace cpu_avx2 {
+namespace {
+#define TFRP_CPU_VEC_BYTES 32
+#define TFRP_CPU_ISA_AVX2 1
+#define TFRP_CPU_ISA_AVX512 0
+#include "relu_max_pool_cpu_simd.h"
+#include "relu_max_pool_cpu_impl.h"
+#undef TFRP_CPU_VEC_BYTES
+#undef TFRP_CPU_ISA_AVX2
+#undef TFRP_CPU_ISA_AVX512
+}  // namespace
+}  // namespace cpu_avx2
+#ifdef __clang__
+#pragma clang attribute pop
+#endif
+#pragma GCC pop_options
+
+// ---- AVX-512 (F, BW, VL, DQ: Skylake-SP and later, Zen 4 and later) ----
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq")
+#ifdef __clang__
+#pragma clang attribute push(__attribute__((target("avx512f,avx512bw,avx512vl,avx512dq"))), \
+                             apply_to = function)
+#endif
+namespace cpu_avx512 {
+namespace {
+#define TFRP_CPU_VEC_BYTES 64
+#define TFRP_CPU_ISA_AVX2 0
+#define TFRP_CPU_ISA_AVX512 1
+#include "relu_max_pool_cpu_simd.h"
+#include "relu_max_pool_cpu_impl.h"
+#undef TFRP_CPU_VEC_BYTES
+#undef TFRP_CPU_ISA_AVX2
+#undef TFRP_CPU_ISA_AVX512
+}  // namespace
+}  // namespace cpu_avx512
+#ifdef __clang__
+#pragma clang attribute pop
+#endif
+#pragma GCC pop_options
+
+#else  // !TFRP_CPU_MULTI_ISA: the general loops alone (no vector extensions needed).
+namespace cpu_baseline {
+namespace {
+#define TFRP_CPU_NO_SIMD 1
+#include "relu_max_pool_cpu_impl.h"
+#undef TFRP_CPU_NO_SIMD
+}  // namespace
+}  // namespace cpu_baseline
+#endif
+
+// ---- Choosing the path ----
+namespace {
+
+constexpr const char* kIsaEnv = "TF_RELUPOOL_CPU_ISA";
+
+bool Supported(CpuIsa isa) {
+  if (isa == CpuIsa::kBaseline) return true;
+#if TFRP_CPU_MULTI_ISA
+  // __builtin_cpu_supports also checks that the OS saves the YMM / ZMM registers (XCR0).
+  __builtin_cpu_init();
+  if (isa == CpuIsa::kAvx2) return __builtin_cpu_supports("avx2");
+  if (isa == CpuIsa::kAvx512) {
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("avx512f") &&
+           __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
+           __builtin_cpu_supports("avx512dq");
+  }
+#endif
+  return false;
+}
+
+CpuIsa Best() {
+  if (Supported(CpuIsa::kAvx512)) return CpuIsa::kAvx512;
+  if (Supported(CpuIsa::kAvx2)) return CpuIsa::kAvx2;
+  return CpuIsa::kBaseline;
+}
+
+// The path from TF_RELUPOOL_CPU_ISA, or the best one; a bad request is logged once (this file
+// has no logging framework: one line on stderr, like TensorFlow's own start-up messages).
+CpuIsa FromEnvironment() {
+  const char* env = std::getenv(kIsaEnv);
+  const std::string want = env == nullptr ? "" : env;
+  if (want.empty() || want == "auto") return Best();
+  for (CpuIsa isa : {CpuIsa::kBaseline, CpuIsa::kAvx2, CpuIsa::kAvx512}) {
+    if (want != CpuIsaName(isa)) continue;
+    if (Supported(isa)) return isa;
+    std::fprintf(stderr,
+                 "tf_relupool: %s=%s, but this CPU or build cannot run that path; using %s\n",
+                 kIsaEnv, env, CpuIsaName(Best()));
+    return Best();
+  }
+  std::fprintf(stderr,
+               "tf_relupool: %s=%s is not one of auto, baseline, avx2, avx512; using %s\n",
+               kIsaEnv, env, CpuIsaName(Best()));
+  return Best();
+}
+
+std::atomic<int> g_isa{-1};  // -1: not chosen yet
+std::once_flag g_isa_once;
+
+}  // namespace
+
+const char* CpuIsaName(CpuIsa isa) {
+  switch (isa) {
+    case CpuIsa::kAvx2: return "avx2";
+    case CpuIsa::kAvx512: return "avx512";
+    default: return "baseline";
+  }
+}
+
+bool CpuIsaSupported(CpuIsa isa) { return Supported(isa); }
+
+CpuIsa ActiveCpuIsa() {
+  int isa = g_isa.load(std::memory_order_acquire);
+  if (isa < 0) {
+    std::call_once(g_isa_once, [] {
+      int unset = -1;
+      g_isa.compare_exchange_strong(unset, static_cast<int>(FromEnvironment()));
+    });
+    isa = g_isa.load(std::memory_order_acquire);
+  }
+  return static_cast<CpuIsa>(isa);
+}
+
+std::string SetCpuIsa(CpuIsa isa) {
+  if (!Supported(isa)) {
+    return std::string("CPU path ") + CpuIsaName(isa) + " is not supported by this CPU or build";
+  }
+  ActiveCpuIsa();  // read the environment first, so that it cannot override this later
+  g_isa.store(static_cast<int>(isa), std::memory_order_release);
+  return "";
+}
+
+// Calls `cpu_<isa>::<call>` for the active path. The chosen path is read once per call.
+#if TFRP_CPU_MULTI_ISA
+#define TFRP_CPU_DISPATCH(...)                                  \
+  switch (ActiveCpuIsa()) {                                     \
+    case CpuIsa::kAvx512: return cpu_avx512::__VA_ARGS__;       \
+    case CpuIsa::kAvx2: return cpu_avx2::__VA_ARGS__;           \
+    default: return cpu_baseline::__VA_ARGS__;                  \
+  }
+#else
+#define TFRP_CPU_DISPATCH(...) return cpu_baseline::__VA_ARGS__;
+#endif
+
+template <typename T>
+void ReluMaxPoolForwardCpu(const PoolParams& p, const T* z, T* y, const ParallelRunner& runner) {
+  TFRP_CPU_DISPATCH(Forward<T>(p, z, y, runner));
+}
+
+template <typename T, typename C>
+void ReluMaxPoolForwardWithArgmaxCpu(const PoolParams& p, const T* z, T* y, C* argmax,
+                                     const ParallelRunner& runner) {
+  TFRP_CPU_DISPATCH(ForwardWithArgmax<T, C>(p, z, y, argmax, runner));
+}
+
+int64_t BackwardFromInputWorkspaceBytes(const PoolParams& p) {
+  if (p.windows_disjoint()) return 0;
+  return cpu_baseline::WithWorkspaceCodeType(
+      p, [&](auto c) { return p.out_elements() * int64_t(sizeof(c)); });
+}
+
+template <typename T>
+void ReluMaxPoolBackwardFromInputCpu(const PoolParams& p, const T* z, const T* dy, T* dz,
+                                     void* workspace, const ParallelRunner& runner) {
+  TFRP_CPU_DISPATCH(BackwardFromInput<T>(p, z, dy, dz, workspace, runner));
+}
+
+template <typename C>
+int64_t FindInvalidArgmaxCpu(const PoolParams& p, const C* argmax, const ParallelRunner& runner) {
+  TFRP_CPU_DISPATCH(FindInvalidArgmax<C>(p, argmax, runner));
+}
+
+template <typename T, typename C>
+void ReluMaxPoolBackwardFromArgmaxCpu(const PoolParams& p, const T* dy, const C* argmax, T* dz,
+                                      const ParallelRunner& runner) {
+  TFRP_CPU_DISPATCH(BackwardFromArgmax<T, C>(p, dy, argmax, dz, runner));
+}
+
+template <typename T, typename C>
+void ReluMaxPoolGradGradFromArgmaxCpu(const PoolParams& p, const T* ddz, const C* argmax, T* ddy,
+                                      const ParallelRunner& runner) {
+  TFRP_CPU_DISPATCH(GradGradFromArgmax<T, C>(p, ddz, argmax, ddy, runner));
+}
+
+#define TFRP_INSTANTIATE_T(T)                                                                     \
+  template void ReluMaxPoolForwardCpu<T>(const PoolParams&, const T*, T*, const ParallelRunner&); \
+  template void ReluMaxPoolBackwardFromInputCpu<T>(const PoolParams&, const T*, const T*, T*,     \
+                                                   void*, const ParallelRunner&);
+#define TFRP_INSTANTIATE_TC(T, C)                                                               \
+  template void ReluMaxPoolForwardWithArgmaxCpu<T, C>(const PoolParams&, const T*, T*, C*,      \
+                                                      const ParallelRunner&);                   \
+  template void ReluMaxPoolBackwardFromArgmaxCpu<T, C>(const PoolParams&, const T*, const C*, T*, \
+                                                       const ParallelRunner&);                 \
+  template void ReluMaxPoolGradGradFromArgmaxCpu<T, C>(const PoolParams&, const T*, const C*, T*, \
+                                                       const ParallelRunner&);
+#define TFRP_INSTANTIATE_ALL_C(T) \
+  TFRP_INSTANTIATE_T(T)           \
+  TFRP_INSTANTIATE_TC(T, uint8_t) \
+  TFRP_INSTANTIATE_TC(T, uint16_t) \
+  TFRP_INSTANTIATE_TC(T, int32_t)
+
+TFRP_INSTANTIATE_ALL_C(float)
+TFRP_INSTANTIATE_ALL_C(double)
+TFRP_INSTANTIATE_ALL_C(Half)
+TFRP_INSTANTIATE_ALL_C(BFloat16)
+
+template int64_t FindInvalidArgmaxCpu<uint8_t>(const PoolParams&, const uint8_t*, const ParallelRunner&);
+template int64_t FindInvalidArgmaxCpu<uint16_t>(const PoolParams&, const uint16_t*, const ParallelRunner&);
+template int64_t FindInvalidArgmaxCpu<int32_t>(const PoolParams&, const int32_t*, const ParallelRunner&);
+
+}  // namespace tf_relupool
+
+// C entry points for tools that load the op library with ctypes (tests/test_cpu_dispatch.py,
+// benchmarks/bench_ops.py): which path runs, and switching it within a process.
+extern "C" {
+__attribute__((visibility("default"))) const char* tf_relupool_cpu_isa() {
+  return tf_relupool::CpuIsaName(tf_relupool::ActiveCpuIsa());
+}
+// Returns 0 on success, -1 for an unknown name, -2 for a path this CPU or build cannot run.
+__attribute__((visibility("default"))) int tf_relupool_set_cpu_isa(const char* name) {
+  using tf_relupool::CpuIsa;
+  for (CpuIsa isa : {CpuIsa::kBaseline, CpuIsa::kAvx2, CpuIsa::kAvx512}) {
+    if (std::strcmp(name, tf_relupool::CpuIsaName(isa)) == 0) {
+      return tf_relupool::SetCpuIsa(isa).empty() ? 0 : -2;
+    }
+  }
+  return -1;
+}
+__attribute__((visibility("default"))) int tf_relupool_cpu_isa_supported(const char* name) {
+  using tf_relupool::CpuIsa;
+  for (CpuIsa isa : {CpuIsa::kBaseline, CpuIsa::kAvx2, CpuIsa::kAvx512}) {
+    if (std::strcmp(name, tf_relupool::CpuIsaName(isa)) == 0) {
+      return tf_relupool::CpuIsaSupported(isa) ? 1 : 0;
+    }
+  }
+  return 0;
+}
+}
