@@ -52,6 +52,7 @@ namespace {
 #undef TFRP_CPU_VEC_BYTES
 #undef TFRP_CPU_ISA_AVX2
 #undef TFRP_CPU_ISA_AVX512
+#undef TFRP_VEC_INLINE
 }  // namespace
 }  // namespace cpu_baseline
 
@@ -71,6 +72,7 @@ namespace {
 #undef TFRP_CPU_VEC_BYTES
 #undef TFRP_CPU_ISA_AVX2
 #undef TFRP_CPU_ISA_AVX512
+#undef TFRP_VEC_INLINE
 }  // namespace
 }  // namespace cpu_avx2
 #ifdef __clang__
@@ -95,6 +97,7 @@ namespace {
 #undef TFRP_CPU_VEC_BYTES
 #undef TFRP_CPU_ISA_AVX2
 #undef TFRP_CPU_ISA_AVX512
+#undef TFRP_VEC_INLINE
 }  // namespace
 }  // namespace cpu_avx512
 #ifdef __clang__

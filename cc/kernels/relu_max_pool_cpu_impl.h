@@ -246,15 +246,17 @@ void FillZero(T* data, int64_t n, const ParallelRunner& runner) {
 
 #ifdef TFRP_CPU_NO_SIMD
 // No vector extensions in this build: the general loops do everything.
+constexpr int kVecLanes = 1;
 template <typename T>
 constexpr bool kHas2x2Path = false;
 template <typename T>
 inline bool Use2x2Path(const PoolParams&) { return false; }
 inline int64_t FullRows2x2(const PoolParams&) { return 0; }
 inline int64_t FullCols2x2(const PoolParams&) { return 0; }
-template <typename T, bool kY, bool kCodes>
+template <typename T, bool kY, bool kCodes, bool kStream>
 void Forward2x2Row(const PoolParams&, const T*, int64_t, int64_t, int64_t, T*, uint8_t*) {}
-template <typename T, bool kFromInput>
+inline void StreamFence() {}
+template <typename T, bool kFromInput, bool kStream>
 void Backward2x2Row(const PoolParams&, const T*, const uint8_t*, const T*, int64_t, int64_t,
                     int64_t, T*) {}
 #else
@@ -271,7 +273,7 @@ inline int64_t FullCols2x2(const PoolParams& p) { return std::min(p.in_cols / 2,
 
 // One output element (scalar; the tails of the vector loops). code: 0..3, or -1 for the sentinel.
 template <typename A>
-inline void Pool4(A v0, A v1, A v2, A v3, A lowest, A* max, int32_t* code) {
+TFRP_VEC_INLINE void Pool4(A v0, A v1, A v2, A v3, A lowest, A* max, int32_t* code) {
   const A r0 = Relu(v0), r1 = Relu(v1), r2 = Relu(v2), r3 = Relu(v3);
   A m = lowest;
   m = m < r0 ? r0 : m;
@@ -287,7 +289,7 @@ inline void Pool4(A v0, A v1, A v2, A v3, A lowest, A* max, int32_t* code) {
 }
 
 // kVecLanes output elements; code lanes hold 0..3 or `sentinel`.
-inline void Pool4Vec(VecF v0, VecF v1, VecF v2, VecF v3, VecF lowest, uint32_t sentinel,
+TFRP_VEC_INLINE void Pool4Vec(VecF v0, VecF v1, VecF v2, VecF v3, VecF lowest, uint32_t sentinel,
                      VecF* max, VecU* code) {
   const VecF zero = {};
   const VecF r0 = v0 < zero ? zero : v0, r1 = v1 < zero ? zero : v1;
@@ -308,7 +310,7 @@ inline void Pool4Vec(VecF v0, VecF v1, VecF v2, VecF v3, VecF lowest, uint32_t s
 // The four dz values (as T bits) of one window from its code and dy, as RowGrad::Set/Write:
 // dy + 0 at the code's position; for the sentinel, (dy + 0) * 0 at position 0; +0 elsewhere.
 template <typename T>
-inline void Scatter4(int32_t code, T dy, Bits<T> out[4]) {
+TFRP_VEC_INLINE void Scatter4(int32_t code, T dy, Bits<T> out[4]) {
   const T zero = ValueTraits<T>::FromAcc(Acc<T>(0));
   const T g = AddAcc(zero, dy);
   const Bits<T> hit = ToBits(g);
@@ -319,7 +321,7 @@ inline void Scatter4(int32_t code, T dy, Bits<T> out[4]) {
   out[3] = code == 3 ? hit : Bits<T>(0);
 }
 template <typename T>
-inline void Scatter4Vec(VecU code, VecF dy, uint32_t sentinel, VecU out[4]) {
+TFRP_VEC_INLINE void Scatter4Vec(VecU code, VecF dy, uint32_t sentinel, VecU out[4]) {
   using V = VecType<T>;
   const VecU hit = V::Round(VecF{} + dy);           // AddAcc(+0, dy)
   const VecU masked = V::Round(V::Widen(hit) * SplatF(0.0f));  // MaskAcc(that, false)
@@ -337,7 +339,7 @@ inline void Scatter4Vec(VecU code, VecF dy, uint32_t sentinel, VecU out[4]) {
 // tail); calls scalar(i) for every i when n < kVecLanes. Outputs never alias inputs (the
 // OpKernels allocate every output), so a second write cannot change what is read.
 template <typename Vec, typename Scalar>
-inline void ForEachVector(int64_t n, Vec vec, Scalar scalar) {
+TFRP_VEC_INLINE void ForEachVector(int64_t n, Vec vec, Scalar scalar) {
   if (n < kVecLanes) {
     for (int64_t i = 0; i < n; ++i) scalar(i);
     return;
@@ -349,7 +351,7 @@ inline void ForEachVector(int64_t n, Vec vec, Scalar scalar) {
 
 // Forward of output row (img, ph), columns [0, cols) (all windows inside the input): y (kY) and
 // uint8 codes (kCodes) of the row.
-template <typename T, bool kY, bool kCodes>
+template <typename T, bool kY, bool kCodes, bool kStream>
 void Forward2x2Row(const PoolParams& p, const T* __restrict z, int64_t img, int64_t ph,
                    int64_t cols, T* __restrict y, uint8_t* __restrict codes) {
   using V = VecType<T>;
@@ -370,8 +372,8 @@ void Forward2x2Row(const PoolParams& p, const T* __restrict z, int64_t img, int6
     if (kCodes) codes[o] = static_cast<uint8_t>(code < 0 ? kSentinel : code);
   };
   auto store = [&](VecF m, VecU code, int64_t o) {
-    if (kY) V::Store(y + o, V::Exact(m));  // m is one of T's values: no rounding
-    if (kCodes) NarrowToBytes(code, codes + o);
+    if (kY) V::template Store<kStream>(y + o, V::Exact(m));  // m is one of T's values: exact
+    if (kCodes) NarrowToBytes<kStream>(code, codes + o);
   };
   if (L == 1) {
     // NCHW: kVecLanes outputs of the row from 2 * kVecLanes values of each input row.
@@ -407,7 +409,7 @@ void Forward2x2Row(const PoolParams& p, const T* __restrict z, int64_t img, int6
 // Backward of output row (img, ph), columns [0, cols) (all windows inside the input), into the
 // two dz rows 2 * ph and 2 * ph + 1. The codes are read (kFromInput false: `codes`, from the
 // forward) or computed from z (kFromInput: the keep="input" backward, which reads z once).
-template <typename T, bool kFromInput>
+template <typename T, bool kFromInput, bool kStream>
 void Backward2x2Row(const PoolParams& p, const T* __restrict z, const uint8_t* __restrict codes,
                     const T* __restrict dy, int64_t img, int64_t ph, int64_t cols,
                     T* __restrict dz) {
@@ -466,8 +468,8 @@ void Backward2x2Row(const PoolParams& p, const T* __restrict z, const uint8_t* _
         [&](int64_t pw) {
           VecU out[4];
           Scatter4Vec<T>(vector_code(pw, 2 * pw, true), V::Load(dy + pw), kSentinel, out);
-          V::StorePairs(d0 + 2 * pw, out[0], out[1]);
-          V::StorePairs(d1 + 2 * pw, out[2], out[3]);
+          V::template StorePairs<kStream>(d0 + 2 * pw, out[0], out[1]);
+          V::template StorePairs<kStream>(d1 + 2 * pw, out[2], out[3]);
         },
         [&](int64_t pw) { scalar(pw, 2 * pw, 1); });
     return;
@@ -480,10 +482,10 @@ void Backward2x2Row(const PoolParams& p, const T* __restrict z, const uint8_t* _
           VecU out[4];
           Scatter4Vec<T>(vector_code(pw * L + l, at + l, false), V::Load(dy + pw * L + l),
                          kSentinel, out);
-          V::Store(d0 + at + l, out[0]);
-          V::Store(d0 + at + L + l, out[1]);
-          V::Store(d1 + at + l, out[2]);
-          V::Store(d1 + at + L + l, out[3]);
+          V::template Store<kStream>(d0 + at + l, out[0]);
+          V::template Store<kStream>(d0 + at + L + l, out[1]);
+          V::template Store<kStream>(d1 + at + l, out[2]);
+          V::template Store<kStream>(d1 + at + L + l, out[3]);
         },
         [&](int64_t l) { scalar(pw * L + l, at + l, L); });
   }
@@ -512,12 +514,14 @@ void ForwardImpl(const PoolParams& p, const T* z, T* y, C* argmax, const Paralle
           if constexpr (std::is_same<C, uint8_t>::value) {
             codes = argmax == nullptr ? nullptr : argmax + u * row;
           }
+          // Ordinary stores: y and the codes are a quarter and a sixteenth of z, so streaming
+          // them saves little, and the next op may still find them in the caches.
           if (yr != nullptr && codes != nullptr) {
-            Forward2x2Row<T, true, true>(p, z, img, ph, full_cols, yr, codes);
+            Forward2x2Row<T, true, true, false>(p, z, img, ph, full_cols, yr, codes);
           } else if (yr != nullptr) {
-            Forward2x2Row<T, true, false>(p, z, img, ph, full_cols, yr, nullptr);
+            Forward2x2Row<T, true, false, false>(p, z, img, ph, full_cols, yr, nullptr);
           } else {
-            Forward2x2Row<T, false, true>(p, z, img, ph, full_cols, nullptr, codes);
+            Forward2x2Row<T, false, true, false>(p, z, img, ph, full_cols, nullptr, codes);
           }
           done = full_cols;
           if (done == p.out_cols) continue;
@@ -633,13 +637,31 @@ struct RowGrad {
   }
 };
 
+// Outputs at least this large are written with streaming stores where the 2x2 backward can.
+constexpr int64_t kStreamMinBytes = int64_t{16} << 20;
+
+// Whether the 2x2 backward writes dz with streaming stores (PutVec): dz is too large to stay in
+// the caches for the next op anyway, and every vector store covers whole, aligned cache lines
+// (dz 64-byte aligned, rows a multiple of 64 bytes, no overlapping tail vector, no clipped
+// window): a line written partly by streaming and partly by ordinary stores costs more than
+// either.
+template <typename T>
+inline bool StreamDz(const PoolParams& p, const T* dz) {
+  const bool whole_vectors =
+      p.lanes == 1 ? FullCols2x2(p) % kVecLanes == 0 : p.lanes % kVecLanes == 0;
+  return Use2x2Path<T>(p) && WindowsTileInput(p) && whole_vectors &&
+         (p.in_cols * p.lanes * int64_t(sizeof(T))) % 64 == 0 &&
+         reinterpret_cast<uintptr_t>(dz) % 64 == 0 &&
+         p.in_elements() * int64_t(sizeof(T)) >= kStreamMinBytes;
+}
+
 // Disjoint windows: each (image, output row) unit owns a band of input rows; it zeroes the band
 // unless the windows tile it, then writes the row's window gradients: fast(img, ph) writes output
 // columns [0, n) and returns n (0 when it does not apply); fill() gives a per-shard function that
 // sets the elements of `grad` from output column pw_begin on, which RowGrad then writes.
 template <typename T, typename Fill, typename Fast>
-void DisjointBackward(const PoolParams& p, const ParallelRunner& runner, T* dz, Fill fill,
-                      Fast fast) {
+void DisjointBackward(const PoolParams& p, const ParallelRunner& runner, T* dz, bool stream,
+                      Fill fill, Fast fast) {
   const int64_t units = p.images * p.out_rows;
   const int64_t cost = std::max<int64_t>(1, p.in_cols * p.lanes * p.stride_rows) * kCyclesPerElement;
   const bool tiles = WindowsTileInput(p);
@@ -659,6 +681,7 @@ void DisjointBackward(const PoolParams& p, const ParallelRunner& runner, T* dz, 
       fill_row(img, ph, done, &grad);
       grad.Write(p, img, ph, done, dz);
     }
+    if (stream) StreamFence();
   });
 }
 
@@ -801,8 +824,9 @@ void BackwardFromInput(const PoolParams& p, const T* z, const T* dy, T* dz, void
   const int64_t full_rows = Use2x2Path<T>(p) ? FullRows2x2(p) : 0;
   const int64_t full_cols = Use2x2Path<T>(p) ? FullCols2x2(p) : 0;
   const int64_t row = p.out_cols * p.lanes;
+  const bool stream = StreamDz(p, dz);
   DisjointBackward<T>(
-      p, runner, dz,
+      p, runner, dz, stream,
       [&]() {
         return [&p, z, dy, row, scan = RowScan<T>(p)](int64_t img, int64_t ph, int64_t pw_begin,
                                                       RowGrad<T>* grad) mutable {
@@ -816,8 +840,12 @@ void BackwardFromInput(const PoolParams& p, const T* z, const T* dy, T* dz, void
       [&](int64_t img, int64_t ph) -> int64_t {
         if constexpr (kHas2x2Path<T>) {
           if (ph >= full_rows || full_cols == 0) return 0;
-          Backward2x2Row<T, true>(p, z, nullptr, dy + (img * p.out_rows + ph) * row, img, ph,
-                                  full_cols, dz);
+          const T* dyr = dy + (img * p.out_rows + ph) * row;
+          if (stream) {
+            Backward2x2Row<T, true, true>(p, z, nullptr, dyr, img, ph, full_cols, dz);
+          } else {
+            Backward2x2Row<T, true, false>(p, z, nullptr, dyr, img, ph, full_cols, dz);
+          }
           return full_cols;
         }
         return 0;
@@ -895,8 +923,9 @@ void BackwardFromArgmax(const PoolParams& p, const T* dy, const C* argmax, T* dz
   const bool fast = Use2x2Path<T>(p) && std::is_same<C, uint8_t>::value;
   const int64_t full_rows = fast ? FullRows2x2(p) : 0, full_cols = fast ? FullCols2x2(p) : 0;
   const int64_t row = p.out_cols * p.lanes;
+  const bool stream = StreamDz(p, dz);
   DisjointBackward<T>(
-      p, runner, dz,
+      p, runner, dz, stream,
       [&]() {
         return [&p, dy, argmax, row](int64_t img, int64_t ph, int64_t pw_begin, RowGrad<T>* grad) {
           const int64_t o = (img * p.out_rows + ph) * row;
@@ -907,7 +936,11 @@ void BackwardFromArgmax(const PoolParams& p, const T* dy, const C* argmax, T* dz
         if constexpr (kHas2x2Path<T> && std::is_same<C, uint8_t>::value) {
           if (ph >= full_rows || full_cols == 0) return 0;
           const int64_t o = (img * p.out_rows + ph) * row;
-          Backward2x2Row<T, false>(p, nullptr, argmax + o, dy + o, img, ph, full_cols, dz);
+          if (stream) {
+            Backward2x2Row<T, false, true>(p, nullptr, argmax + o, dy + o, img, ph, full_cols, dz);
+          } else {
+            Backward2x2Row<T, false, false>(p, nullptr, argmax + o, dy + o, img, ph, full_cols, dz);
+          }
           return full_cols;
         }
         return 0;

@@ -10,6 +10,10 @@
 // 32-bit lanes use intrinsics, because GCC lowers __builtin_convertvector between those widths to
 // element-by-element code.
 
+// Everything here and the per-element helpers of the 2x2 loops are forced inline: GCC otherwise
+// leaves some of them out of line inside the big loop bodies, passing vectors through memory.
+#define TFRP_VEC_INLINE inline __attribute__((always_inline))
+
 constexpr int kVecBytes = TFRP_CPU_VEC_BYTES;
 constexpr int kVecLanes = kVecBytes / 4;  // 32-bit lanes per vector: 4, 8 or 16
 typedef float VecF __attribute__((vector_size(kVecBytes)));
@@ -19,20 +23,53 @@ typedef uint16_t VecU16 __attribute__((vector_size(kVecBytes / 2)));  // kVecLan
 typedef uint64_t VecU64 __attribute__((vector_size(kVecBytes * 2)));  // kVecLanes 64-bit values
 
 template <typename V>
-inline V LoadVec(const void* p) {
+TFRP_VEC_INLINE V LoadVec(const void* p) {
   V v;
   std::memcpy(&v, p, sizeof(v));  // unaligned load
   return v;
 }
 template <typename V>
-inline void StoreVec(void* p, V v) {
+TFRP_VEC_INLINE void StoreVec(void* p, V v) {
   std::memcpy(p, &v, sizeof(v));
 }
-inline VecF SplatF(float f) { return VecF{} + f; }
-inline VecU SplatU(uint32_t u) { return VecU{} + u; }
+TFRP_VEC_INLINE VecF SplatF(float f) { return VecF{} + f; }
+TFRP_VEC_INLINE VecU SplatU(uint32_t u) { return VecU{} + u; }
+
+// Writes the sizeof(V) bytes of v to p; with kStream, as non-temporal (streaming) stores where p
+// is aligned to the store width: they skip reading the destination's cache lines before writing
+// them (a third of a copy's memory traffic) and do not evict the inputs from the caches. Worth it
+// only for outputs far larger than the caches; the caller decides, and ends with StreamFence().
+template <bool kStream, typename V>
+TFRP_VEC_INLINE void PutVec(void* p, const V& v) {
+  constexpr size_t kChunk = sizeof(V) < size_t{kVecBytes} ? sizeof(V) : size_t{kVecBytes};
+  if (!kStream || kChunk < 16 || reinterpret_cast<uintptr_t>(p) % kChunk != 0) {
+    std::memcpy(p, &v, sizeof(V));
+    return;
+  }
+  for (size_t at = 0; at < sizeof(V); at += kChunk) {
+    char* q = static_cast<char*>(p) + at;
+    const char* src = reinterpret_cast<const char*>(&v) + at;
+    if constexpr (kChunk == 16) {
+      _mm_stream_si128(reinterpret_cast<__m128i*>(q), _mm_loadu_si128(reinterpret_cast<const __m128i*>(src)));
+#if TFRP_CPU_ISA_AVX2 || TFRP_CPU_ISA_AVX512
+    } else if constexpr (kChunk == 32) {
+      _mm256_stream_si256(reinterpret_cast<__m256i*>(q), _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src)));
+#endif
+#if TFRP_CPU_ISA_AVX512
+    } else if constexpr (kChunk == 64) {
+      _mm512_stream_si512(reinterpret_cast<__m512i*>(q), _mm512_loadu_si512(src));
+#endif
+    } else {
+      std::memcpy(q, src, kChunk);
+    }
+  }
+}
+// Orders this thread's streaming stores before its later stores (the runner's completion
+// signal): streaming stores are weakly ordered.
+TFRP_VEC_INLINE void StreamFence() { _mm_sfence(); }
 
 // kVecLanes bytes <-> 32-bit lanes (values 0..255).
-inline VecU WidenBytes(const uint8_t* p) {
+TFRP_VEC_INLINE VecU WidenBytes(const uint8_t* p) {
 #if TFRP_CPU_ISA_AVX512
   // The maskz forms: GCC 12's plain ones start from an "undefined" vector and warn about it.
   return (VecU)_mm512_maskz_cvtepu8_epi32(0xffff, _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
@@ -45,9 +82,10 @@ inline VecU WidenBytes(const uint8_t* p) {
   return (VecU)_mm_unpacklo_epi16(_mm_unpacklo_epi8(_mm_cvtsi32_si128(word), zero), zero);
 #endif
 }
-inline void NarrowToBytes(VecU v, uint8_t* p) {
+template <bool kStream>
+TFRP_VEC_INLINE void NarrowToBytes(VecU v, uint8_t* p) {
 #if TFRP_CPU_ISA_AVX512
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm512_maskz_cvtepi32_epi8(0xffff, (__m512i)v));
+  PutVec<kStream>(p, _mm512_maskz_cvtepi32_epi8(0xffff, (__m512i)v));
 #elif TFRP_CPU_ISA_AVX2
   const __m128i lo = _mm256_castsi256_si128((__m256i)v);
   const __m128i hi = _mm256_extracti128_si256((__m256i)v, 1);
@@ -75,46 +113,53 @@ struct VecType {
 template <>
 struct VecType<float> {
   static constexpr bool kSupported = true;
-  static VecF Load(const float* p) { return LoadVec<VecF>(p); }
-  static void LoadPairs(const float* p, VecF* even, VecF* odd) {
+  static TFRP_VEC_INLINE VecF Load(const float* p) { return LoadVec<VecF>(p); }
+  static TFRP_VEC_INLINE void LoadPairs(const float* p, VecF* even, VecF* odd) {
     VecU64 pairs;  // element 2i in the low half of 64-bit lane i
     std::memcpy(&pairs, p, sizeof(pairs));
     *even = (VecF)__builtin_convertvector(pairs, VecU);
     *odd = (VecF)__builtin_convertvector(pairs >> 32, VecU);
   }
-  static VecU Round(VecF f) { return (VecU)f; }
-  static VecU Exact(VecF f) { return (VecU)f; }
-  static VecF Widen(VecU bits) { return (VecF)bits; }
-  static void Store(float* p, VecU bits) { StoreVec(p, bits); }
-  static void StorePairs(float* p, VecU even, VecU odd) {
-    // (memcpy, not StoreVec: a 128-byte vector argument draws an ABI note from GCC at -O1.)
+  static TFRP_VEC_INLINE VecU Round(VecF f) { return (VecU)f; }
+  static TFRP_VEC_INLINE VecU Exact(VecF f) { return (VecU)f; }
+  static TFRP_VEC_INLINE VecF Widen(VecU bits) { return (VecF)bits; }
+  template <bool kStream>
+  static TFRP_VEC_INLINE void Store(float* p, VecU bits) { PutVec<kStream>(p, bits); }
+  template <bool kStream>
+  static TFRP_VEC_INLINE void StorePairs(float* p, VecU even, VecU odd) {
     const VecU64 pairs =
         __builtin_convertvector(even, VecU64) | (__builtin_convertvector(odd, VecU64) << 32);
-    std::memcpy(p, &pairs, sizeof(pairs));
+    PutVec<kStream>(p, pairs);
   }
 };
 
 template <>
 struct VecType<BFloat16> {
   static constexpr bool kSupported = true;
-  static VecF Load(const BFloat16* p) {
+  static TFRP_VEC_INLINE VecF Load(const BFloat16* p) {
     return (VecF)(__builtin_convertvector(LoadVec<VecU16>(p), VecU) << 16);
   }
-  static void LoadPairs(const BFloat16* p, VecF* even, VecF* odd) {
+  static TFRP_VEC_INLINE void LoadPairs(const BFloat16* p, VecF* even, VecF* odd) {
     const VecU pairs = LoadVec<VecU>(p);  // element 2i in the low 16 bits of lane i
     *even = (VecF)(pairs << 16);
     *odd = (VecF)(pairs & 0xffff0000u);
   }
   // FloatToBFloat16, lane by lane: NaN -> sign | 0x7fc0, else round to nearest even.
-  static VecU Round(VecF f) {
+  static TFRP_VEC_INLINE VecU Round(VecF f) {
     const VecU u = (VecU)f;
     const VecU nan = (VecU)((u & 0x7fffffffu) > 0x7f800000u);
     const VecU quiet = ((u >> 16) & 0x8000u) | 0x7fc0u;
     const VecU rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
     return (nan & quiet) | (~nan & rounded);
   }
-  static VecU Exact(VecF f) { return (VecU)f >> 16; }
-  static VecF Widen(VecU bits) { return (VecF)(bits << 16); }
-  static void Store(BFloat16* p, VecU bits) { StoreVec(p, __builtin_convertvector(bits, VecU16)); }
-  static void StorePairs(BFloat16* p, VecU even, VecU odd) { StoreVec(p, even | (odd << 16)); }
+  static TFRP_VEC_INLINE VecU Exact(VecF f) { return (VecU)f >> 16; }
+  static TFRP_VEC_INLINE VecF Widen(VecU bits) { return (VecF)(bits << 16); }
+  template <bool kStream>
+  static TFRP_VEC_INLINE void Store(BFloat16* p, VecU bits) {
+    PutVec<kStream>(p, __builtin_convertvector(bits, VecU16));
+  }
+  template <bool kStream>
+  static TFRP_VEC_INLINE void StorePairs(BFloat16* p, VecU even, VecU odd) {
+    PutVec<kStream>(p, even | (odd << 16));
+  }
 };
