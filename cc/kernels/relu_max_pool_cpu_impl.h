@@ -25,14 +25,6 @@
 template <typename T>
 using Acc = typename ValueTraits<T>::Acc;
 
-// ReLU as std::max(v, 0): negative -> +0, -0 and NaN kept. This is what stock Relu does for
-// half and bfloat16 everywhere, and for float/double outside Eigen's vector packets (inside them
-// it gives +0 for -0, so stock's sign of a zero result depends on the element's position).
-template <typename A>
-inline A Relu(A v) {
-  return v < A(0) ? A(0) : v;
-}
-
 // take ? a : b on integers, without a branch.
 template <typename I>
 inline I SelectBits(bool take, I a, I b) {
@@ -69,6 +61,32 @@ inline Bits<T> ToBits(T v) {
   Bits<T> b;
   std::memcpy(&b, &v, sizeof(b));
   return b;
+}
+template <typename T>
+inline T FromBits(Bits<T> b) {
+  T v;
+  std::memcpy(&v, &b, sizeof(v));
+  return v;
+}
+
+// take ? a : b for compared float values, selected by their bits. Never `take ? a : b` on the
+// floats themselves where take compares a and b: GCC turns that into a max instruction (or not:
+// it depends on the vector width), and the two differ under denormals-are-zero, which TensorFlow
+// sets in the threads that run ops: compares then see a denormal as zero, a select keeps its
+// bits, a max returns it flushed to zero. Selects keep every instruction-set path bitwise
+// identical, and give stock's result where stock is consistent (its bfloat16 max pooling keeps a
+// denormal's bits). tests/test_cpu_dispatch.py checks that the kernels hold no max/min.
+template <typename A>
+inline A SelectValue(bool take, A a, A b) {
+  return FromBits<A>(SelectBits<Bits<A>>(take, ToBits(a), ToBits(b)));
+}
+
+// ReLU as std::max(v, 0): negative -> +0, -0 and NaN kept. This is what stock Relu does for
+// half and bfloat16 everywhere, and for float/double outside Eigen's vector packets (inside them
+// it gives +0 for -0, so stock's sign of a zero result depends on the element's position).
+template <typename A>
+inline A Relu(A v) {
+  return SelectValue(v < A(0), A(0), v);
 }
 
 // z[i] in the arithmetic type. 16-bit types are loaded as plain integers: GCC does not vectorise
@@ -198,18 +216,11 @@ struct RowScan {
     const Acc<T> r = Relu(zv);
     const Acc<T> cur = *m;
     const bool take = cur < r;
-    *m = take ? r : cur;
+    *m = SelectValue(take, r, cur);
     // Branch-free select so that the loop vectorises (the data decides `take` at random).
     if (WithArgmax) *ps = SelectBits(take, code, *ps);
   }
 };
-
-template <typename T>
-inline T FromBits(Bits<T> b) {
-  T v;
-  std::memcpy(&v, &b, sizeof(v));
-  return v;
-}
 
 template <typename T>
 inline T AddAcc(T a, T b) {
@@ -276,10 +287,10 @@ template <typename A>
 TFRP_VEC_INLINE void Pool4(A v0, A v1, A v2, A v3, A lowest, A* max, int32_t* code) {
   const A r0 = Relu(v0), r1 = Relu(v1), r2 = Relu(v2), r3 = Relu(v3);
   A m = lowest;
-  m = m < r0 ? r0 : m;
-  m = m < r1 ? r1 : m;
-  m = m < r2 ? r2 : m;
-  m = m < r3 ? r3 : m;
+  m = SelectValue(m < r0, r0, m);
+  m = SelectValue(m < r1, r1, m);
+  m = SelectValue(m < r2, r2, m);
+  m = SelectValue(m < r3, r3, m);
   int32_t pos = r2 == m ? 2 : 3;
   pos = r1 == m ? 1 : pos;
   pos = r0 == m ? 0 : pos;
@@ -288,17 +299,24 @@ TFRP_VEC_INLINE void Pool4(A v0, A v1, A v2, A v3, A lowest, A* max, int32_t* co
   *code = none ? -1 : pos;
 }
 
+// mask ? a : b lane by lane, as a select (see SelectValue): `a` passes through an empty asm, so
+// GCC cannot see the select as a max of the values compared.
+TFRP_VEC_INLINE VecF VecSelect(VecI mask, VecF a, VecF b) {
+  asm("" : "+v"(a));
+  return mask ? a : b;
+}
+TFRP_VEC_INLINE VecF VecRelu(VecF v) { return VecSelect(v < VecF{}, VecF{}, v); }
+
 // kVecLanes output elements; code lanes hold 0..3 or `sentinel`.
 TFRP_VEC_INLINE void Pool4Vec(VecF v0, VecF v1, VecF v2, VecF v3, VecF lowest, uint32_t sentinel,
                      VecF* max, VecU* code) {
   const VecF zero = {};
-  const VecF r0 = v0 < zero ? zero : v0, r1 = v1 < zero ? zero : v1;
-  const VecF r2 = v2 < zero ? zero : v2, r3 = v3 < zero ? zero : v3;
+  const VecF r0 = VecRelu(v0), r1 = VecRelu(v1), r2 = VecRelu(v2), r3 = VecRelu(v3);
   VecF m = lowest;
-  m = m < r0 ? r0 : m;
-  m = m < r1 ? r1 : m;
-  m = m < r2 ? r2 : m;
-  m = m < r3 ? r3 : m;
+  m = VecSelect(m < r0, r0, m);
+  m = VecSelect(m < r1, r1, m);
+  m = VecSelect(m < r2, r2, m);
+  m = VecSelect(m < r3, r3, m);
   VecU pos = r2 == m ? SplatU(2) : SplatU(3);
   pos = r1 == m ? SplatU(1) : pos;
   pos = r0 == m ? SplatU(0) : pos;
