@@ -264,12 +264,12 @@ template <typename T>
 inline bool Use2x2Path(const PoolParams&) { return false; }
 inline int64_t FullRows2x2(const PoolParams&) { return 0; }
 inline int64_t FullCols2x2(const PoolParams&) { return 0; }
-template <typename T, bool kY, bool kCodes, bool kStream>
-void Forward2x2Row(const PoolParams&, const T*, int64_t, int64_t, int64_t, T*, uint8_t*) {}
-inline void StreamFence() {}
+template <typename T, bool kY, bool kCodes>
+void Forward2x2Rows(const PoolParams&, const T*, int64_t, int64_t, int64_t, T*, uint8_t*) {}
 template <typename T, bool kFromInput, bool kStream>
-void Backward2x2Row(const PoolParams&, const T*, const uint8_t*, const T*, int64_t, int64_t,
-                    int64_t, T*) {}
+void Backward2x2Rows(const PoolParams&, const T*, const uint8_t*, const T*, int64_t, int64_t,
+                     int64_t, T*) {}
+inline void StreamFence() {}
 #else
 template <typename T>
 constexpr bool kHas2x2Path = VecType<T>::kSupported;
@@ -367,148 +367,185 @@ TFRP_VEC_INLINE void ForEachVector(int64_t n, Vec vec, Scalar scalar) {
   if (i < n) vec(n - kVecLanes);
 }
 
-// Forward of output row (img, ph), columns [0, cols) (all windows inside the input): y (kY) and
-// uint8 codes (kCodes) of the row.
-template <typename T, bool kY, bool kCodes, bool kStream>
-void Forward2x2Row(const PoolParams& p, const T* __restrict z, int64_t img, int64_t ph,
-                   int64_t cols, T* __restrict y, uint8_t* __restrict codes) {
-  using V = VecType<T>;
-  const int64_t L = p.lanes;
-  const T* r0 = z + (img * p.in_rows + 2 * ph) * p.in_cols * L;
-  const T* r1 = r0 + p.in_cols * L;
-  const Acc<T> lowest = ValueTraits<T>::Lowest();
-  const VecF vlowest = SplatF(lowest);
-  constexpr uint32_t kSentinel = ArgmaxSentinel<uint8_t>();
-  // Output element o from the window whose first value is at offset `at` of both input rows;
-  // `next` is the offset of the window's second column.
-  auto scalar = [&](int64_t o, int64_t at, int64_t next) {
-    Acc<T> m;
-    int32_t code;
-    Pool4(LoadAcc(r0, at), LoadAcc(r0, at + next), LoadAcc(r1, at), LoadAcc(r1, at + next),
-          lowest, &m, &code);
-    if (kY) y[o] = ValueTraits<T>::FromAcc(m);
-    if (kCodes) codes[o] = static_cast<uint8_t>(code < 0 ? kSentinel : code);
-  };
-  auto store = [&](VecF m, VecU code, int64_t o) {
-    if (kY) V::template Store<kStream>(y + o, V::Exact(m));  // m is one of T's values: exact
-    if (kCodes) NarrowToBytes<kStream>(code, codes + o);
-  };
-  if (L == 1) {
-    // NCHW: kVecLanes outputs of the row from 2 * kVecLanes values of each input row.
-    ForEachVector(
-        cols,
-        [&](int64_t pw) {
-          VecF v0, v1, v2, v3, m;
-          VecU code;
-          V::LoadPairs(r0 + 2 * pw, &v0, &v1);
-          V::LoadPairs(r1 + 2 * pw, &v2, &v3);
-          Pool4Vec(v0, v1, v2, v3, vlowest, kSentinel, &m, &code);
-          store(m, code, pw);
-        },
-        [&](int64_t pw) { scalar(pw, 2 * pw, 1); });
-    return;
-  }
-  // NHWC: kVecLanes channels of one window at a time.
-  for (int64_t pw = 0; pw < cols; ++pw) {
-    const int64_t at = 2 * pw * L;
-    ForEachVector(
-        L,
-        [&](int64_t l) {
-          VecF m;
-          VecU code;
-          Pool4Vec(V::Load(r0 + at + l), V::Load(r0 + at + L + l), V::Load(r1 + at + l),
-                   V::Load(r1 + at + L + l), vlowest, kSentinel, &m, &code);
-          store(m, code, pw * L + l);
-        },
-        [&](int64_t l) { scalar(pw * L + l, at + l, L); });
+// Units (output rows) [u_begin, u_end), all with full windows: their output columns [0, cols).
+// Calls row(u, img, ph) for each; the loops below take a whole run of rows per call, because an
+// NCHW row of a small image is a single vector and a call per row would cost more than the row.
+template <typename Row>
+TFRP_VEC_INLINE void ForEachRow(const PoolParams& p, int64_t u_begin, int64_t u_end, Row row) {
+  int64_t img = u_begin / p.out_rows, ph = u_begin % p.out_rows;
+  for (int64_t u = u_begin; u < u_end; ++u) {
+    row(u, img, ph);
+    if (++ph == p.out_rows) {
+      ph = 0;
+      ++img;
+    }
   }
 }
 
-// Backward of output row (img, ph), columns [0, cols) (all windows inside the input), into the
-// two dz rows 2 * ph and 2 * ph + 1. The codes are read (kFromInput false: `codes`, from the
-// forward) or computed from z (kFromInput: the keep="input" backward, which reads z once).
-template <typename T, bool kFromInput, bool kStream>
-void Backward2x2Row(const PoolParams& p, const T* __restrict z, const uint8_t* __restrict codes,
-                    const T* __restrict dy, int64_t img, int64_t ph, int64_t cols,
-                    T* __restrict dz) {
+// Forward of output rows [u_begin, u_end), columns [0, cols) (all windows inside the input):
+// y (kY) and uint8 codes (kCodes).
+template <typename T, bool kY, bool kCodes>
+void Forward2x2Rows(const PoolParams& p, const T* __restrict z, int64_t u_begin, int64_t u_end,
+                    int64_t cols, T* __restrict y, uint8_t* __restrict codes) {
   using V = VecType<T>;
   const int64_t L = p.lanes;
-  const int64_t row = p.in_cols * L;
-  const int64_t first = (img * p.in_rows + 2 * ph) * row;
-  T* d0 = dz + first;
-  T* d1 = d0 + row;
-  const T* r0 = kFromInput ? z + first : nullptr;
-  const T* r1 = kFromInput ? r0 + row : nullptr;
+  const int64_t out_row = p.out_cols * L;
   const Acc<T> lowest = ValueTraits<T>::Lowest();
   const VecF vlowest = SplatF(lowest);
   constexpr uint32_t kSentinel = ArgmaxSentinel<uint8_t>();
-  AliasBits<T>* b0 = reinterpret_cast<AliasBits<T>*>(d0);
-  AliasBits<T>* b1 = reinterpret_cast<AliasBits<T>*>(d1);
-  // Output element o, whose window starts at offset `at` of both rows; `next` is the offset of
-  // the window's second column.
-  auto scalar = [&](int64_t o, int64_t at, int64_t next) {
-    int32_t code;
-    if (kFromInput) {
+  ForEachRow(p, u_begin, u_end, [&](int64_t u, int64_t img, int64_t ph) {
+    const T* r0 = z + (img * p.in_rows + 2 * ph) * p.in_cols * L;
+    const T* r1 = r0 + p.in_cols * L;
+    T* yr = kY ? y + u * out_row : nullptr;
+    uint8_t* cr = kCodes ? codes + u * out_row : nullptr;
+    // Output element o from the window whose first value is at offset `at` of both input rows;
+    // `next` is the offset of the window's second column.
+    auto scalar = [&](int64_t o, int64_t at, int64_t next) {
       Acc<T> m;
+      int32_t code;
       Pool4(LoadAcc(r0, at), LoadAcc(r0, at + next), LoadAcc(r1, at), LoadAcc(r1, at + next),
             lowest, &m, &code);
-    } else {
-      code = codes[o] == kSentinel ? -1 : codes[o];
+      if (kY) yr[o] = ValueTraits<T>::FromAcc(m);
+      if (kCodes) cr[o] = static_cast<uint8_t>(code < 0 ? kSentinel : code);
+    };
+    // Ordinary stores: y and the codes are a quarter and a sixteenth of z, so streaming them
+    // saves little, and the next op may still find them in the caches.
+    auto store = [&](VecF m, VecU code, int64_t o) {
+      if (kY) V::template Store<false>(yr + o, V::Exact(m));  // m is one of T's values: exact
+      if (kCodes) NarrowToBytes<false>(code, cr + o);
+    };
+    if (L == 1) {
+      // NCHW: kVecLanes outputs of the row from 2 * kVecLanes values of each input row.
+      ForEachVector(
+          cols,
+          [&](int64_t pw) {
+            VecF v0, v1, v2, v3, m;
+            VecU code;
+            V::LoadPairs(r0 + 2 * pw, &v0, &v1);
+            V::LoadPairs(r1 + 2 * pw, &v2, &v3);
+            Pool4Vec(v0, v1, v2, v3, vlowest, kSentinel, &m, &code);
+            store(m, code, pw);
+          },
+          [&](int64_t pw) { scalar(pw, 2 * pw, 1); });
+      return;
     }
-    Bits<T> s[4];
-    Scatter4<T>(code, dy[o], s);
-    b0[at] = s[0];
-    b0[at + next] = s[1];
-    b1[at] = s[2];
-    b1[at + next] = s[3];
-  };
-  // kVecLanes codes of output elements [o, o + kVecLanes); the windows start at offset `at` of
-  // both rows, as pairs (NCHW) or at `at` and `at + L` (NHWC).
-  auto vector_code = [&](int64_t o, int64_t at, bool pairs) -> VecU {
-    if (!kFromInput) return WidenBytes(codes + o);
-    VecF v0, v1, v2, v3, m;
-    VecU code;
-    if (pairs) {
-      V::LoadPairs(r0 + at, &v0, &v1);
-      V::LoadPairs(r1 + at, &v2, &v3);
-    } else {
-      v0 = V::Load(r0 + at);
-      v1 = V::Load(r0 + at + L);
-      v2 = V::Load(r1 + at);
-      v3 = V::Load(r1 + at + L);
+    // NHWC: kVecLanes channels of one window at a time.
+    for (int64_t pw = 0; pw < cols; ++pw) {
+      const int64_t at = 2 * pw * L;
+      ForEachVector(
+          L,
+          [&](int64_t l) {
+            VecF m;
+            VecU code;
+            Pool4Vec(V::Load(r0 + at + l), V::Load(r0 + at + L + l), V::Load(r1 + at + l),
+                     V::Load(r1 + at + L + l), vlowest, kSentinel, &m, &code);
+            store(m, code, pw * L + l);
+          },
+          [&](int64_t l) { scalar(pw * L + l, at + l, L); });
     }
-    Pool4Vec(v0, v1, v2, v3, vlowest, kSentinel, &m, &code);
-    return code;
-  };
-  if (L == 1) {
-    ForEachVector(
-        cols,
-        [&](int64_t pw) {
-          VecU out[4];
-          Scatter4Vec<T>(vector_code(pw, 2 * pw, true), V::Load(dy + pw), kSentinel, out);
-          V::template StorePairs<kStream>(d0 + 2 * pw, out[0], out[1]);
-          V::template StorePairs<kStream>(d1 + 2 * pw, out[2], out[3]);
-        },
-        [&](int64_t pw) { scalar(pw, 2 * pw, 1); });
-    return;
-  }
-  for (int64_t pw = 0; pw < cols; ++pw) {
-    const int64_t at = 2 * pw * L;
-    ForEachVector(
-        L,
-        [&](int64_t l) {
-          VecU out[4];
-          Scatter4Vec<T>(vector_code(pw * L + l, at + l, false), V::Load(dy + pw * L + l),
-                         kSentinel, out);
-          V::template Store<kStream>(d0 + at + l, out[0]);
-          V::template Store<kStream>(d0 + at + L + l, out[1]);
-          V::template Store<kStream>(d1 + at + l, out[2]);
-          V::template Store<kStream>(d1 + at + L + l, out[3]);
-        },
-        [&](int64_t l) { scalar(pw * L + l, at + l, L); });
-  }
+  });
+}
+
+// Backward of output rows [u_begin, u_end), columns [0, cols) (all windows inside the input),
+// into dz rows 2 * ph and 2 * ph + 1 of each. The codes are read (kFromInput false: `codes`, from
+// the forward) or computed from z (kFromInput: the keep="input" backward, which reads z once).
+template <typename T, bool kFromInput, bool kStream>
+void Backward2x2Rows(const PoolParams& p, const T* __restrict z, const uint8_t* __restrict codes,
+                     const T* __restrict dy, int64_t u_begin, int64_t u_end, int64_t cols,
+                     T* __restrict dz) {
+  using V = VecType<T>;
+  const int64_t L = p.lanes;
+  const int64_t row = p.in_cols * L;
+  const int64_t out_row = p.out_cols * L;
+  const Acc<T> lowest = ValueTraits<T>::Lowest();
+  const VecF vlowest = SplatF(lowest);
+  constexpr uint32_t kSentinel = ArgmaxSentinel<uint8_t>();
+  ForEachRow(p, u_begin, u_end, [&](int64_t u, int64_t img, int64_t ph) {
+    const int64_t first = (img * p.in_rows + 2 * ph) * row;
+    T* d0 = dz + first;
+    T* d1 = d0 + row;
+    const T* r0 = kFromInput ? z + first : nullptr;
+    const T* r1 = kFromInput ? r0 + row : nullptr;
+    const uint8_t* cr = kFromInput ? nullptr : codes + u * out_row;
+    const T* gr = dy + u * out_row;
+    AliasBits<T>* b0 = reinterpret_cast<AliasBits<T>*>(d0);
+    AliasBits<T>* b1 = reinterpret_cast<AliasBits<T>*>(d1);
+    // Output element o, whose window starts at offset `at` of both rows; `next` is the offset of
+    // the window's second column.
+    auto scalar = [&](int64_t o, int64_t at, int64_t next) {
+      int32_t code;
+      if (kFromInput) {
+        Acc<T> m;
+        Pool4(LoadAcc(r0, at), LoadAcc(r0, at + next), LoadAcc(r1, at), LoadAcc(r1, at + next),
+              lowest, &m, &code);
+      } else {
+        code = cr[o] == kSentinel ? -1 : cr[o];
+      }
+      Bits<T> s[4];
+      Scatter4<T>(code, gr[o], s);
+      b0[at] = s[0];
+      b0[at + next] = s[1];
+      b1[at] = s[2];
+      b1[at + next] = s[3];
+    };
+    // kVecLanes codes of output elements [o, o + kVecLanes); the windows start at offset `at` of
+    // both rows, as pairs (NCHW) or at `at` and `at + L` (NHWC).
+    auto vector_code = [&](int64_t o, int64_t at, bool pairs) -> VecU {
+      if (!kFromInput) return WidenBytes(cr + o);
+      VecF v0, v1, v2, v3, m;
+      VecU code;
+      if (pairs) {
+        V::LoadPairs(r0 + at, &v0, &v1);
+        V::LoadPairs(r1 + at, &v2, &v3);
+      } else {
+        v0 = V::Load(r0 + at);
+        v1 = V::Load(r0 + at + L);
+        v2 = V::Load(r1 + at);
+        v3 = V::Load(r1 + at + L);
+      }
+      Pool4Vec(v0, v1, v2, v3, vlowest, kSentinel, &m, &code);
+      return code;
+    };
+    if (L == 1) {
+      ForEachVector(
+          cols,
+          [&](int64_t pw) {
+            VecU out[4];
+            Scatter4Vec<T>(vector_code(pw, 2 * pw, true), V::Load(gr + pw), kSentinel, out);
+            V::template StorePairs<kStream>(d0 + 2 * pw, out[0], out[1]);
+            V::template StorePairs<kStream>(d1 + 2 * pw, out[2], out[3]);
+          },
+          [&](int64_t pw) { scalar(pw, 2 * pw, 1); });
+      return;
+    }
+    for (int64_t pw = 0; pw < cols; ++pw) {
+      const int64_t at = 2 * pw * L;
+      ForEachVector(
+          L,
+          [&](int64_t l) {
+            VecU out[4];
+            Scatter4Vec<T>(vector_code(pw * L + l, at + l, false), V::Load(gr + pw * L + l),
+                           kSentinel, out);
+            V::template Store<kStream>(d0 + at + l, out[0]);
+            V::template Store<kStream>(d0 + at + L + l, out[1]);
+            V::template Store<kStream>(d1 + at + l, out[2]);
+            V::template Store<kStream>(d1 + at + L + l, out[3]);
+          },
+          [&](int64_t l) { scalar(pw * L + l, at + l, L); });
+    }
+  });
 }
 #endif  // TFRP_CPU_NO_SIMD
+
+// The run of output rows [u, end') starting at u whose windows the 2x2 loops take (end' == u when
+// row u is not one): rows below full_rows of u's image, or up to `end` when every row is full.
+inline int64_t Full2x2Run(const PoolParams& p, int64_t u, int64_t end, int64_t full_rows,
+                          int64_t full_cols) {
+  if (full_cols == 0) return u;
+  const int64_t ph = u % p.out_rows;
+  if (ph >= full_rows) return u;
+  return full_rows == p.out_rows ? end : std::min(end, u + (full_rows - ph));
+}
 
 // Forward; y and/or argmax may be null (the keep-z backward only wants the codes).
 template <typename T, typename C>
@@ -522,29 +559,9 @@ void ForwardImpl(const PoolParams& p, const T* z, T* y, C* argmax, const Paralle
   const int64_t full_rows = fast ? FullRows2x2(p) : 0, full_cols = fast ? FullCols2x2(p) : 0;
   runner.For(units, cost, [&](int64_t begin, int64_t end) {
     RowScan<T> scan(p);
-    for (int64_t u = begin; u < end; ++u) {
+    // Output row u from output column `done` on, by the general loops.
+    auto general = [&](int64_t u, int64_t done) {
       const int64_t img = u / p.out_rows, ph = u % p.out_rows;
-      int64_t done = 0;  // output columns written by the 2x2 loop
-      if constexpr (kHas2x2Path<T>) {
-        if (ph < full_rows && full_cols > 0) {
-          T* yr = y == nullptr ? nullptr : y + u * row;
-          uint8_t* codes = nullptr;
-          if constexpr (std::is_same<C, uint8_t>::value) {
-            codes = argmax == nullptr ? nullptr : argmax + u * row;
-          }
-          // Ordinary stores: y and the codes are a quarter and a sixteenth of z, so streaming
-          // them saves little, and the next op may still find them in the caches.
-          if (yr != nullptr && codes != nullptr) {
-            Forward2x2Row<T, true, true, false>(p, z, img, ph, full_cols, yr, codes);
-          } else if (yr != nullptr) {
-            Forward2x2Row<T, true, false, false>(p, z, img, ph, full_cols, yr, nullptr);
-          } else {
-            Forward2x2Row<T, false, true, false>(p, z, img, ph, full_cols, nullptr, codes);
-          }
-          done = full_cols;
-          if (done == p.out_cols) continue;
-        }
-      }
       if (argmax != nullptr) {
         scan.template Run<true>(p, z, img, ph, done);
         C* __restrict cp = argmax + u * row;
@@ -555,6 +572,27 @@ void ForwardImpl(const PoolParams& p, const T* z, T* y, C* argmax, const Paralle
       if (y != nullptr) {
         T* __restrict yp = y + u * row;
         for (int64_t i = done * p.lanes; i < row; ++i) yp[i] = ValueTraits<T>::FromAcc(scan.max[i]);
+      }
+    };
+    for (int64_t u = begin; u < end;) {
+      const int64_t run_end = Full2x2Run(p, u, end, full_rows, full_cols);
+      if (run_end == u) {
+        general(u++, 0);
+        continue;
+      }
+      if constexpr (kHas2x2Path<T>) {
+        uint8_t* codes = nullptr;
+        if constexpr (std::is_same<C, uint8_t>::value) codes = argmax;
+        if (y != nullptr && codes != nullptr) {
+          Forward2x2Rows<T, true, true>(p, z, u, run_end, full_cols, y, codes);
+        } else if (y != nullptr) {
+          Forward2x2Rows<T, true, false>(p, z, u, run_end, full_cols, y, nullptr);
+        } else {
+          Forward2x2Rows<T, false, true>(p, z, u, run_end, full_cols, nullptr, codes);
+        }
+      }
+      for (; u < run_end; ++u) {
+        if (full_cols < p.out_cols) general(u, full_cols);
       }
     }
   });
@@ -674,30 +712,46 @@ inline bool StreamDz(const PoolParams& p, const T* dz) {
 }
 
 // Disjoint windows: each (image, output row) unit owns a band of input rows; it zeroes the band
-// unless the windows tile it, then writes the row's window gradients: fast(img, ph) writes output
-// columns [0, n) and returns n (0 when it does not apply); fill() gives a per-shard function that
-// sets the elements of `grad` from output column pw_begin on, which RowGrad then writes.
+// unless the windows tile it, then writes the row's window gradients: fast(u_begin, u_end) writes
+// output columns [0, full_cols) of a run of rows that the 2x2 loops take (Full2x2Run); fill()
+// gives a per-shard function that sets the elements of `grad` from output column pw_begin on,
+// which RowGrad then writes: the other rows and columns.
 template <typename T, typename Fill, typename Fast>
 void DisjointBackward(const PoolParams& p, const ParallelRunner& runner, T* dz, bool stream,
-                      Fill fill, Fast fast) {
+                      int64_t full_rows, int64_t full_cols, Fill fill, Fast fast) {
   const int64_t units = p.images * p.out_rows;
   const int64_t cost = std::max<int64_t>(1, p.in_cols * p.lanes * p.stride_rows) * kCyclesPerElement;
   const bool tiles = WindowsTileInput(p);
   runner.For(units, cost, [&](int64_t begin, int64_t end) {
     RowGrad<T> grad(p);
     auto fill_row = fill();  // per-shard state
-    for (int64_t u = begin; u < end; ++u) {
+    auto zero_band = [&](int64_t u) {
+      int64_t rb, re;
+      RowBand(p, u % p.out_rows, &rb, &re);
+      const int64_t row_elems = p.in_cols * p.lanes;
+      std::memset(dz + ((u / p.out_rows) * p.in_rows + rb) * row_elems, 0,
+                  (re - rb) * row_elems * sizeof(T));
+    };
+    // Output row u from output column `done` on, by the general loops.
+    auto general = [&](int64_t u, int64_t done) {
       const int64_t img = u / p.out_rows, ph = u % p.out_rows;
-      if (!tiles) {
-        int64_t rb, re;
-        RowBand(p, ph, &rb, &re);
-        const int64_t row_elems = p.in_cols * p.lanes;
-        std::memset(dz + (img * p.in_rows + rb) * row_elems, 0, (re - rb) * row_elems * sizeof(T));
-      }
-      const int64_t done = fast(img, ph);
-      if (done == p.out_cols) continue;
       fill_row(img, ph, done, &grad);
       grad.Write(p, img, ph, done, dz);
+    };
+    for (int64_t u = begin; u < end;) {
+      const int64_t run_end = Full2x2Run(p, u, end, full_rows, full_cols);
+      if (run_end == u) {
+        if (!tiles) zero_band(u);
+        general(u++, 0);
+        continue;
+      }
+      if (!tiles) {
+        for (int64_t v = u; v < run_end; ++v) zero_band(v);
+      }
+      fast(u, run_end);
+      for (; u < run_end; ++u) {
+        if (full_cols < p.out_cols) general(u, full_cols);
+      }
     }
     if (stream) StreamFence();
   });
@@ -844,7 +898,7 @@ void BackwardFromInput(const PoolParams& p, const T* z, const T* dy, T* dz, void
   const int64_t row = p.out_cols * p.lanes;
   const bool stream = StreamDz(p, dz);
   DisjointBackward<T>(
-      p, runner, dz, stream,
+      p, runner, dz, stream, full_rows, full_cols,
       [&]() {
         return [&p, z, dy, row, scan = RowScan<T>(p)](int64_t img, int64_t ph, int64_t pw_begin,
                                                       RowGrad<T>* grad) mutable {
@@ -855,18 +909,14 @@ void BackwardFromInput(const PoolParams& p, const T* z, const T* dy, T* dz, void
           }
         };
       },
-      [&](int64_t img, int64_t ph) -> int64_t {
+      [&](int64_t u_begin, int64_t u_end) {
         if constexpr (kHas2x2Path<T>) {
-          if (ph >= full_rows || full_cols == 0) return 0;
-          const T* dyr = dy + (img * p.out_rows + ph) * row;
           if (stream) {
-            Backward2x2Row<T, true, true>(p, z, nullptr, dyr, img, ph, full_cols, dz);
+            Backward2x2Rows<T, true, true>(p, z, nullptr, dy, u_begin, u_end, full_cols, dz);
           } else {
-            Backward2x2Row<T, true, false>(p, z, nullptr, dyr, img, ph, full_cols, dz);
+            Backward2x2Rows<T, true, false>(p, z, nullptr, dy, u_begin, u_end, full_cols, dz);
           }
-          return full_cols;
         }
-        return 0;
       });
 }
 
@@ -943,25 +993,21 @@ void BackwardFromArgmax(const PoolParams& p, const T* dy, const C* argmax, T* dz
   const int64_t row = p.out_cols * p.lanes;
   const bool stream = StreamDz(p, dz);
   DisjointBackward<T>(
-      p, runner, dz, stream,
+      p, runner, dz, stream, full_rows, full_cols,
       [&]() {
         return [&p, dy, argmax, row](int64_t img, int64_t ph, int64_t pw_begin, RowGrad<T>* grad) {
           const int64_t o = (img * p.out_rows + ph) * row;
           for (int64_t i = pw_begin * p.lanes; i < row; ++i) grad->Set(i, argmax[o + i], dy[o + i]);
         };
       },
-      [&](int64_t img, int64_t ph) -> int64_t {
+      [&](int64_t u_begin, int64_t u_end) {
         if constexpr (kHas2x2Path<T> && std::is_same<C, uint8_t>::value) {
-          if (ph >= full_rows || full_cols == 0) return 0;
-          const int64_t o = (img * p.out_rows + ph) * row;
           if (stream) {
-            Backward2x2Row<T, false, true>(p, nullptr, argmax + o, dy + o, img, ph, full_cols, dz);
+            Backward2x2Rows<T, false, true>(p, nullptr, argmax, dy, u_begin, u_end, full_cols, dz);
           } else {
-            Backward2x2Row<T, false, false>(p, nullptr, argmax + o, dy + o, img, ph, full_cols, dz);
+            Backward2x2Rows<T, false, false>(p, nullptr, argmax, dy, u_begin, u_end, full_cols, dz);
           }
-          return full_cols;
         }
-        return 0;
       });
 }
 
