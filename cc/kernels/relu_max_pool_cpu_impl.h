@@ -341,8 +341,10 @@ TFRP_VEC_INLINE void Scatter4(int32_t code, T dy, Bits<T> out[4]) {
 template <typename T>
 TFRP_VEC_INLINE void Scatter4Vec(VecU code, VecF dy, uint32_t sentinel, VecU out[4]) {
   using V = VecType<T>;
-  const VecU hit = V::Round(VecF{} + dy);           // AddAcc(+0, dy)
-  const VecU masked = V::Round(V::Widen(hit) * SplatF(0.0f));  // MaskAcc(that, false)
+  // AddAcc(+0, dy), then MaskAcc(that, false): +0 + dy and (+0 + dy) * 0 are dy, a zero or a
+  // NaN (or, under flush-to-zero, a flushed denormal: zero), all exact in T.
+  const VecU hit = V::RoundExactOrNaN(VecF{} + dy);
+  const VecU masked = V::RoundExactOrNaN(V::Widen(hit) * SplatF(0.0f));
   const VecU zero = {};
   const VecU first = code == sentinel ? masked : zero;
   out[0] = code == 0u ? hit : first;

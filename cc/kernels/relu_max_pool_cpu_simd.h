@@ -98,10 +98,36 @@ TFRP_VEC_INLINE void NarrowToBytes(VecU v, uint8_t* p) {
 #endif
 }
 
+// kVecLanes 16-bit values <-> 32-bit lanes (zero-extended; narrowing keeps the low 16 bits of
+// lanes that hold values below 2^16). GCC splits these conversions into halves otherwise.
+TFRP_VEC_INLINE VecU Widen16(const void* p) {
+#if TFRP_CPU_ISA_AVX512
+  return (VecU)_mm512_maskz_cvtepu16_epi32(0xffff, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+#elif TFRP_CPU_ISA_AVX2
+  return (VecU)_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+#else
+  return (VecU)_mm_unpacklo_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)), _mm_setzero_si128());
+#endif
+}
+template <bool kStream>
+TFRP_VEC_INLINE void Narrow16(VecU v, void* p) {
+#if TFRP_CPU_ISA_AVX512
+  PutVec<kStream>(p, _mm512_maskz_cvtepi32_epi16(0xffff, (__m512i)v));
+#elif TFRP_CPU_ISA_AVX2
+  const __m256i w = _mm256_packus_epi32((__m256i)v, (__m256i)v);  // per 128-bit half
+  PutVec<kStream>(p, _mm256_castsi256_si128(_mm256_permute4x64_epi64(w, 0x08)));
+#else
+  // SSE2 has only the signed pack: sign-extend the 16-bit values first, so none saturates.
+  const __m128i x = _mm_srai_epi32(_mm_slli_epi32((__m128i)v, 16), 16);
+  _mm_storel_epi64(reinterpret_cast<__m128i*>(p), _mm_packs_epi32(x, x));
+#endif
+}
+
 // Value types with a vector path: float and bfloat16, both computed in float lanes.
 //   Load(p):        kVecLanes consecutive values as floats (exact).
 //   LoadPairs(p):   2 * kVecLanes consecutive values, split into even and odd elements.
 //   Round(f):       the bits of ValueTraits<T>::FromAcc(f), in 32-bit lanes.
+//   RoundExactOrNaN(f): the same, for f that T represents exactly or NaN (cheaper).
 //   Exact(f):       the same for f that T represents exactly (no rounding needed).
 //   Widen(bits):    ValueTraits<T>::ToAcc of T bits held in 32-bit lanes.
 //   Store / StorePairs: write T bits (32-bit lanes); StorePairs interleaves even and odd.
@@ -121,6 +147,7 @@ struct VecType<float> {
     *odd = (VecF)__builtin_convertvector(pairs >> 32, VecU);
   }
   static TFRP_VEC_INLINE VecU Round(VecF f) { return (VecU)f; }
+  static TFRP_VEC_INLINE VecU RoundExactOrNaN(VecF f) { return (VecU)f; }
   static TFRP_VEC_INLINE VecU Exact(VecF f) { return (VecU)f; }
   static TFRP_VEC_INLINE VecF Widen(VecU bits) { return (VecF)bits; }
   template <bool kStream>
@@ -136,9 +163,7 @@ struct VecType<float> {
 template <>
 struct VecType<BFloat16> {
   static constexpr bool kSupported = true;
-  static TFRP_VEC_INLINE VecF Load(const BFloat16* p) {
-    return (VecF)(__builtin_convertvector(LoadVec<VecU16>(p), VecU) << 16);
-  }
+  static TFRP_VEC_INLINE VecF Load(const BFloat16* p) { return (VecF)(Widen16(p) << 16); }
   static TFRP_VEC_INLINE void LoadPairs(const BFloat16* p, VecF* even, VecF* odd) {
     const VecU pairs = LoadVec<VecU>(p);  // element 2i in the low 16 bits of lane i
     *even = (VecF)(pairs << 16);
@@ -153,10 +178,17 @@ struct VecType<BFloat16> {
     return (nan & quiet) | (~nan & rounded);
   }
   static TFRP_VEC_INLINE VecU Exact(VecF f) { return (VecU)f >> 16; }
+  // Round(f) for f that is a bfloat16 value or a NaN (sums and products of bfloat16 values with
+  // +0 and 0): the low 16 bits are zero, so rounding is a shift; NaN as in Round.
+  static TFRP_VEC_INLINE VecU RoundExactOrNaN(VecF f) {
+    const VecU u = (VecU)f;
+    const VecU nan = (VecU)((u & 0x7fffffffu) > 0x7f800000u);
+    return (nan & (((u >> 16) & 0x8000u) | 0x7fc0u)) | (~nan & (u >> 16));
+  }
   static TFRP_VEC_INLINE VecF Widen(VecU bits) { return (VecF)(bits << 16); }
   template <bool kStream>
   static TFRP_VEC_INLINE void Store(BFloat16* p, VecU bits) {
-    PutVec<kStream>(p, __builtin_convertvector(bits, VecU16));
+    Narrow16<kStream>(bits, p);
   }
   template <bool kStream>
   static TFRP_VEC_INLINE void StorePairs(BFloat16* p, VecU even, VecU odd) {
