@@ -31,7 +31,8 @@ install: $(VENV)/.installed
 # with oneDNN can land. (test_examples.py's stock-vs-fused trainings stay in the first pass only:
 # minutes each, and test_keras_integration.py covers bitwise training in the second.)
 STOCK_TESTS ?= tests/test_ops.py tests/test_rewrite.py tests/test_layers.py \
-	tests/test_keras_integration.py tests/test_fuzz.py tests/test_higher_order.py tests/test_grappler.py
+	tests/test_keras_integration.py tests/test_fuzz.py tests/test_higher_order.py \
+	tests/test_grappler.py tests/test_cpu_dispatch.py
 
 test: install
 	$(VENV)/bin/pytest -q tests
@@ -75,7 +76,7 @@ CUDNN_SEARCH ?= $(CUDNN_HOME)/include /usr/include/x86_64-linux-gnu /usr/include
 GPU_OBJS := $(addprefix $(GPU_BUILD)/,relu_max_pool_gpu.o relu_max_pool_cudnn.o gpu_check.o \
 	relu_max_pool_cpu.o relu_max_pool_params.o)
 GPU_DEPS := $(wildcard cc/kernels/*.h) $(GPU_BUILD)/cudnn_include/.stamp
-GPU_NVCC_FLAGS := -O3 --std=c++17 -I. -I$(GPU_BUILD)/cudnn_include -Xcompiler -pthread $(GPU_EXTRA_FLAGS)
+GPU_NVCC_FLAGS := -O3 --std=c++17 -I. -I$(GPU_BUILD)/cudnn_include -Xcompiler -pthread,-ffp-contract=off $(GPU_EXTRA_FLAGS)
 
 .PHONY: gpu-check gpu-sanitize gpu-build
 
@@ -197,11 +198,11 @@ fuzz: install
 
 $(SAN_BUILD)/kernels_test_asan: $(CC_TEST_SRCS) $(wildcard cc/kernels/*.h)
 	@mkdir -p $(@D)
-	$(CXX_TEST) -std=c++17 $(SAN_CXXFLAGS) -fno-sanitize-recover=all -I. $(CC_TEST_SRCS) -o $@ -pthread
+	$(CXX_TEST) -std=c++17 -ffp-contract=off $(SAN_CXXFLAGS) -fno-sanitize-recover=all -I. $(CC_TEST_SRCS) -o $@ -pthread
 
 $(SAN_BUILD)/kernels_test_tsan: $(CC_TEST_SRCS) $(wildcard cc/kernels/*.h)
 	@mkdir -p $(@D)
-	$(CXX_TEST) -std=c++17 -fsanitize=thread -g -O1 -I. $(CC_TEST_SRCS) -o $@ -pthread
+	$(CXX_TEST) -std=c++17 -ffp-contract=off -fsanitize=thread -g -O1 -I. $(CC_TEST_SRCS) -o $@ -pthread
 
 sanitize-cc: $(SAN_BUILD)/kernels_test_asan
 	ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \

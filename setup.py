@@ -95,8 +95,11 @@ class BuildOpLibrary(build_ext):
         obj_dir.mkdir(parents=True, exist_ok=True)
         cxx = os.environ.get("CXX", "g++")
         extra = os.environ.get("TF_RELUPOOL_CXXFLAGS", "").split()
-        cflags = ["-O3", "-fPIC", "-Wall", "-Wno-sign-compare", "-Wno-deprecated-declarations",
-                  f"-I{ROOT}"] + tf["cflags"] + extra
+        # -ffp-contract=off: the CPU kernels are compiled for several instruction sets and
+        # dispatched at run time (cc/kernels/relu_max_pool_cpu.cc); every path must give the same
+        # bits, so no a * b + c may become an FMA on the paths that have one.
+        cflags = ["-O3", "-fPIC", "-ffp-contract=off", "-Wall", "-Wno-sign-compare",
+                  "-Wno-deprecated-declarations", f"-I{ROOT}"] + tf["cflags"] + extra
 
         nvcc = find_nvcc()
         cuda_home = Path(nvcc).parent.parent if nvcc else None

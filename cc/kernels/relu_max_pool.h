@@ -132,6 +132,22 @@ class SerialRunner : public ParallelRunner {
   }
 };
 
+// Instruction sets the CPU kernels are compiled for (relu_max_pool_cpu.cc). Every path gives
+// bitwise identical results; they differ only in speed.
+enum class CpuIsa : int { kBaseline = 0, kAvx2 = 1, kAvx512 = 2 };
+// "baseline", "avx2", "avx512".
+const char* CpuIsaName(CpuIsa isa);
+// Whether this build has the path and this CPU (and OS) can run it. Baseline is always true.
+bool CpuIsaSupported(CpuIsa isa);
+// The path the kernels use now. Chosen on first use: the best supported one, or the one named by
+// the environment variable TF_RELUPOOL_CPU_ISA (baseline, avx2, avx512; auto or empty for the
+// best); a name this CPU cannot run, or an unknown name, logs one line to stderr and falls back
+// to the best supported path (never an illegal instruction).
+CpuIsa ActiveCpuIsa();
+// Switches the path for later calls (tests, benchmarks). Returns "" on success, or a message if
+// the path is not supported here (then nothing changes). Calls already running are unaffected.
+std::string SetCpuIsa(CpuIsa isa);
+
 // CPU kernels. Every result is independent of how the runner splits the work.
 // y = max_pool(relu(z)).
 template <typename T>

@@ -1,608 +1,252 @@
-// CPU kernels for fused ReLU + max pooling; the reference the CUDA kernels are checked against.
+// CPU kernels for fused ReLU + max pooling, with run-time dispatch over instruction sets.
 //
-// Layout: (images x rows x cols x lanes), see PoolParams. Loops keep lanes innermost so that NHWC
-// channels vectorise. Work is split over (image, row) units; each unit writes a disjoint part of
-// the output and no result depends on the split, so any thread count gives identical bits.
+// The kernels (relu_max_pool_cpu_impl.h) are compiled here three times: for baseline x86-64
+// (SSE2, what the library is built for), and under `#pragma GCC target` for AVX2 and for AVX-512
+// (F, BW, VL, DQ), each copy in its own namespace. Each public entry point picks a copy at run
+// time from ActiveCpuIsa(). One translation unit, so the build (setup.py, BUILD, the Makefile's
+// test and GPU harness builds) compiles one file as before, with no per-file flags.
+//
+// Why pragmas and not per-file -mavx2 flags: functions from headers (std::vector, std::function,
+// numeric.h) are emitted as weak symbols by every object that uses them, and the linker keeps
+// one copy; compiled with -mavx2 in one object, that copy could run on a CPU without AVX2 and
+// die of SIGILL. Under the pragma only functions defined after it get the new target; the shared
+// header functions stay baseline (they are inlined into the target code where used there).
+// tests/test_cpu_dispatch.py checks the binary: AVX instructions appear only in functions of the
+// cpu_avx2 / cpu_avx512 namespaces.
 #include <algorithm>
 #include <atomic>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
+#include <mutex>
 #include <type_traits>
 #include <vector>
 
 #include "relu_max_pool.h"
 
+#if (defined(__x86_64__) || defined(_M_X64)) && defined(__GNUC__) && \
+    (defined(__clang__) || __GNUC__ >= 12)
+// GCC >= 12 / Clang: target pragmas, vector extensions with __builtin_convertvector and
+// __builtin_cpu_supports. Anything else builds the baseline path alone.
+#define TFRP_CPU_MULTI_ISA 1
+#include <immintrin.h>
+#else
+#define TFRP_CPU_MULTI_ISA 0
+#endif
+
+// The 64- and 128-byte vectors of the SIMD code are passed only between inlined functions of
+// internal linkage: GCC's note that their calling convention differs between targets is moot.
+#pragma GCC diagnostic ignored "-Wpsabi"
+
 namespace tf_relupool {
+
+#if TFRP_CPU_MULTI_ISA
+// ---- Baseline x86-64: SSE2 ----
+namespace cpu_baseline {
+namespace {
+#define TFRP_CPU_VEC_BYTES 16
+#define TFRP_CPU_ISA_AVX2 0
+#define TFRP_CPU_ISA_AVX512 0
+#include "relu_max_pool_cpu_simd.h"
+#include "relu_max_pool_cpu_impl.h"
+#undef TFRP_CPU_VEC_BYTES
+#undef TFRP_CPU_ISA_AVX2
+#undef TFRP_CPU_ISA_AVX512
+#undef TFRP_VEC_INLINE
+}  // namespace
+}  // namespace cpu_baseline
+
+// ---- AVX2 ----
+#pragma GCC push_options
+#pragma GCC target("avx2")
+#ifdef __clang__
+#pragma clang attribute push(__attribute__((target("avx2"))), apply_to = function)
+#endif
+namespace cpu_avx2 {
+namespace {
+#define TFRP_CPU_VEC_BYTES 32
+#define TFRP_CPU_ISA_AVX2 1
+#define TFRP_CPU_ISA_AVX512 0
+#include "relu_max_pool_cpu_simd.h"
+#include "relu_max_pool_cpu_impl.h"
+#undef TFRP_CPU_VEC_BYTES
+#undef TFRP_CPU_ISA_AVX2
+#undef TFRP_CPU_ISA_AVX512
+#undef TFRP_VEC_INLINE
+}  // namespace
+}  // namespace cpu_avx2
+#ifdef __clang__
+#pragma clang attribute pop
+#endif
+#pragma GCC pop_options
+
+// ---- AVX-512 (F, BW, VL, DQ: Skylake-SP and later, Zen 4 and later) ----
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq")
+#ifdef __clang__
+#pragma clang attribute push(__attribute__((target("avx512f,avx512bw,avx512vl,avx512dq"))), \
+                             apply_to = function)
+#endif
+namespace cpu_avx512 {
+namespace {
+#define TFRP_CPU_VEC_BYTES 64
+#define TFRP_CPU_ISA_AVX2 0
+#define TFRP_CPU_ISA_AVX512 1
+#include "relu_max_pool_cpu_simd.h"
+#include "relu_max_pool_cpu_impl.h"
+#undef TFRP_CPU_VEC_BYTES
+#undef TFRP_CPU_ISA_AVX2
+#undef TFRP_CPU_ISA_AVX512
+#undef TFRP_VEC_INLINE
+}  // namespace
+}  // namespace cpu_avx512
+#ifdef __clang__
+#pragma clang attribute pop
+#endif
+#pragma GCC pop_options
+
+#else  // !TFRP_CPU_MULTI_ISA: the general loops alone (no vector extensions needed).
+namespace cpu_baseline {
+namespace {
+#define TFRP_CPU_NO_SIMD 1
+#include "relu_max_pool_cpu_impl.h"
+#undef TFRP_CPU_NO_SIMD
+}  // namespace
+}  // namespace cpu_baseline
+#endif
+
+// ---- Choosing the path ----
 namespace {
 
-template <typename T>
-using Acc = typename ValueTraits<T>::Acc;
+constexpr const char* kIsaEnv = "TF_RELUPOOL_CPU_ISA";
 
-// ReLU as std::max(v, 0): negative -> +0, -0 and NaN kept. This is what stock Relu does for
-// half and bfloat16 everywhere, and for float/double outside Eigen's vector packets (inside them
-// it gives +0 for -0, so stock's sign of a zero result depends on the element's position).
-template <typename A>
-inline A Relu(A v) {
-  return v < A(0) ? A(0) : v;
-}
-
-// take ? a : b on integers, without a branch.
-template <typename I>
-inline I SelectBits(bool take, I a, I b) {
-  const I mask = static_cast<I>(-static_cast<I>(take));
-  return static_cast<I>((a & mask) | (b & ~mask));
-}
-
-// Unsigned integer of T's size: selects of T values vectorise as bit operations (T may be a
-// 16-bit struct). AliasBits is the same type, allowed to alias T for writing T's buffers.
-template <int N>
-struct UIntOf;
-template <>
-struct UIntOf<2> {
-  using type = uint16_t;
-  typedef uint16_t __attribute__((may_alias)) alias;
-};
-template <>
-struct UIntOf<4> {
-  using type = uint32_t;
-  typedef uint32_t __attribute__((may_alias)) alias;
-};
-template <>
-struct UIntOf<8> {
-  using type = uint64_t;
-  typedef uint64_t __attribute__((may_alias)) alias;
-};
-template <typename T>
-using Bits = typename UIntOf<sizeof(T)>::type;
-template <typename T>
-using AliasBits = typename UIntOf<sizeof(T)>::alias;
-
-template <typename T>
-inline Bits<T> ToBits(T v) {
-  Bits<T> b;
-  std::memcpy(&b, &v, sizeof(b));
-  return b;
-}
-
-// z[i] in the arithmetic type. 16-bit types are loaded as plain integers: GCC does not vectorise
-// loads of the Half/BFloat16 structs.
-template <typename T>
-inline Acc<T> LoadAcc(const T* z, int64_t i) {
-  return ValueTraits<T>::ToAcc(z[i]);
-}
-template <>
-inline float LoadAcc<Half>(const Half* z, int64_t i) {
-  return HalfToFloat(reinterpret_cast<const AliasBits<Half>*>(z)[i]);
-}
-template <>
-inline float LoadAcc<BFloat16>(const BFloat16* z, int64_t i) {
-  return BFloat16ToFloat(reinterpret_cast<const AliasBits<BFloat16>*>(z)[i]);
-}
-
-// Rough cycles per element, for the runner's split.
-constexpr int64_t kCyclesPerElement = 4;
-
-// Output columns [begin, end) whose windows lie wholly inside the input's columns. With one lane
-// (NCHW) these are scanned together, vectorised along the output row.
-struct ColumnRange {
-  int64_t begin, end;
-};
-inline ColumnRange InteriorColumns(const PoolParams& p) {
-  const int64_t begin = (p.pad_left + p.stride_cols - 1) / p.stride_cols;
-  const int64_t span = p.in_cols + p.pad_left - p.window_cols;
-  const int64_t end = span < 0 ? 0 : std::min(span / p.stride_cols + 1, p.out_cols);
-  return {begin, std::max(begin, end)};
-}
-
-// Scan results for one output row, element i = pw * lanes + l; reused across rows of one shard.
-template <typename T>
-struct RowScan {
-  std::vector<Acc<T>> max;      // forward max, from lowest, skips NaN
-  std::vector<int32_t> pos;     // argmax (window code), stock gradient rule
-  std::vector<uint8_t> first_nan;
-
-  explicit RowScan(const PoolParams& p)
-      : max(p.out_cols * p.lanes), pos(p.out_cols * p.lanes), first_nan(p.out_cols * p.lanes) {}
-
-  // Scans output row (img, ph) of z. WithArgmax also tracks positions.
-  template <bool WithArgmax>
-  void Run(const PoolParams& p, const T* __restrict z, int64_t img, int64_t ph) {
-    const ColumnRange inner = p.lanes == 1 ? InteriorColumns(p) : ColumnRange{0, 0};
-    for (int64_t pw = 0; pw < p.out_cols; ++pw) {
-      if (pw == inner.begin && inner.end > inner.begin) {
-        RunInterior<WithArgmax>(p, z, img, ph, inner);
-        pw = inner.end - 1;
-        continue;
-      }
-      RunWindow<WithArgmax>(p, z, img, WindowOf(p, ph, pw), pw * p.lanes);
-    }
+bool Supported(CpuIsa isa) {
+  if (isa == CpuIsa::kBaseline) return true;
+#if TFRP_CPU_MULTI_ISA
+  // __builtin_cpu_supports also checks that the OS saves the YMM / ZMM registers (XCR0).
+  __builtin_cpu_init();
+  if (isa == CpuIsa::kAvx2) return __builtin_cpu_supports("avx2");
+  if (isa == CpuIsa::kAvx512) {
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("avx512f") &&
+           __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
+           __builtin_cpu_supports("avx512dq");
   }
+#endif
+  return false;
+}
 
-  // The code stored for element i: the argmax when it holds a positive value, else the sentinel.
-  template <typename C>
-  C Code(int64_t i) const {
-    const bool none = first_nan[i] | !(max[i] > Acc<T>(0));
-    return SelectBits<C>(none, ArgmaxSentinel<C>(), static_cast<C>(pos[i]));
+CpuIsa Best() {
+  if (Supported(CpuIsa::kAvx512)) return CpuIsa::kAvx512;
+  if (Supported(CpuIsa::kAvx2)) return CpuIsa::kAvx2;
+  return CpuIsa::kBaseline;
+}
+
+// The path from TF_RELUPOOL_CPU_ISA, or the best one; a bad request is logged once (this file
+// has no logging framework: one line on stderr, like TensorFlow's own start-up messages).
+CpuIsa FromEnvironment() {
+  const char* env = std::getenv(kIsaEnv);
+  const std::string want = env == nullptr ? "" : env;
+  if (want.empty() || want == "auto") return Best();
+  for (CpuIsa isa : {CpuIsa::kBaseline, CpuIsa::kAvx2, CpuIsa::kAvx512}) {
+    if (want != CpuIsaName(isa)) continue;
+    if (Supported(isa)) return isa;
+    std::fprintf(stderr,
+                 "tf_relupool: %s=%s, but this CPU or build cannot run that path; using %s\n",
+                 kIsaEnv, env, CpuIsaName(Best()));
+    return Best();
   }
-
- private:
-  // One window, all lanes (vectorised along lanes), into elements [at, at + lanes).
-  template <bool WithArgmax>
-  void RunWindow(const PoolParams& p, const T* __restrict z, int64_t img, const ClippedWindow& win,
-                 int64_t at) {
-    const int64_t L = p.lanes;
-    Acc<T>* __restrict m = max.data() + at;
-    int32_t* __restrict ps = pos.data() + at;
-    const Acc<T> lowest = ValueTraits<T>::Lowest();
-    for (int64_t l = 0; l < L; ++l) m[l] = lowest;
-    if (WithArgmax) {
-      const T* zp = z + ((img * p.in_rows + win.row_begin) * p.in_cols + win.col_begin) * L;
-      for (int64_t l = 0; l < L; ++l) {
-        const Acc<T> v = LoadAcc(zp, l);
-        ps[l] = 0;
-        first_nan[at + l] = v != v;
-      }
-    }
-    for (int64_t h = win.row_begin; h < win.row_end; ++h) {
-      for (int64_t w = win.col_begin; w < win.col_end; ++w) {
-        const T* __restrict zp = z + ((img * p.in_rows + h) * p.in_cols + w) * L;
-        const int32_t code =
-            static_cast<int32_t>((h - win.row_begin) * p.code_pitch + (w - win.col_begin));
-        for (int64_t l = 0; l < L; ++l) Step<WithArgmax>(LoadAcc(zp, l), code, &m[l], &ps[l]);
-      }
-    }
-  }
-
-  // One lane: the interior windows of the row at once, vectorised along output columns (strided
-  // loads). Interior windows share their rows and are unclipped, so codes are h * pitch + dw.
-  template <bool WithArgmax>
-  void RunInterior(const PoolParams& p, const T* __restrict z, int64_t img, int64_t ph,
-                   ColumnRange cols) {
-    const ClippedWindow rows = WindowOf(p, ph, cols.begin);
-    const int64_t s = p.stride_cols;
-    Acc<T>* __restrict m = max.data();
-    int32_t* __restrict ps = pos.data();
-    const Acc<T> lowest = ValueTraits<T>::Lowest();
-    for (int64_t pw = cols.begin; pw < cols.end; ++pw) m[pw] = lowest;
-    const T* row0 = z + (img * p.in_rows + rows.row_begin) * p.in_cols - p.pad_left;
-    if (WithArgmax) {
-      for (int64_t pw = cols.begin; pw < cols.end; ++pw) {
-        const Acc<T> v = LoadAcc(row0, pw * s);
-        ps[pw] = 0;
-        first_nan[pw] = v != v;
-      }
-    }
-    for (int64_t h = rows.row_begin; h < rows.row_end; ++h) {
-      const T* __restrict zr = z + (img * p.in_rows + h) * p.in_cols - p.pad_left;
-      for (int64_t dw = 0; dw < p.window_cols; ++dw) {
-        const int32_t code = static_cast<int32_t>((h - rows.row_begin) * p.code_pitch + dw);
-        for (int64_t pw = cols.begin; pw < cols.end; ++pw) {
-          Step<WithArgmax>(LoadAcc(zr, pw * s + dw), code, &m[pw], &ps[pw]);
-        }
-      }
-    }
-  }
-
-  template <bool WithArgmax>
-  static inline void Step(Acc<T> zv, int32_t code, Acc<T>* m, int32_t* ps) {
-    const Acc<T> r = Relu(zv);
-    const Acc<T> cur = *m;
-    const bool take = cur < r;
-    *m = take ? r : cur;
-    // Branch-free select so that the loop vectorises (the data decides `take` at random).
-    if (WithArgmax) *ps = SelectBits(take, code, *ps);
-  }
-};
-
-template <typename T>
-inline T FromBits(Bits<T> b) {
-  T v;
-  std::memcpy(&v, &b, sizeof(v));
-  return v;
+  std::fprintf(stderr,
+               "tf_relupool: %s=%s is not one of auto, baseline, avx2, avx512; using %s\n",
+               kIsaEnv, env, CpuIsaName(Best()));
+  return Best();
 }
 
-template <typename T>
-inline T AddAcc(T a, T b) {
-  return ValueTraits<T>::FromAcc(ValueTraits<T>::ToAcc(a) + ValueTraits<T>::ToAcc(b));
-}
-// Stock ReluGrad's multiply by (relu(z) > 0 ? 1 : 0).
-template <typename T>
-inline T MaskAcc(T a, bool keep) {
-  return ValueTraits<T>::FromAcc(ValueTraits<T>::ToAcc(a) * static_cast<Acc<T>>(keep));
-}
-
-// Input rows [*begin, *end) owned by output row `out_row` when windows are disjoint: the rows
-// from its window start to the next window's start, the first and last rows extended to the edges.
-inline void RowBand(const PoolParams& p, int64_t out_row, int64_t* begin, int64_t* end) {
-  const int64_t b = out_row * p.stride_rows - p.pad_top;
-  const int64_t e = b + p.stride_rows;
-  *begin = out_row == 0 ? 0 : std::min(std::max(b, int64_t{0}), p.in_rows);
-  *end = out_row == p.out_rows - 1 ? p.in_rows : std::min(std::max(e, int64_t{0}), p.in_rows);
-}
-
-template <typename T>
-void FillZero(T* data, int64_t n, const ParallelRunner& runner) {
-  runner.For(n, 1, [&](int64_t b, int64_t e) { std::memset(data + b, 0, (e - b) * sizeof(T)); });
-}
+std::atomic<int> g_isa{-1};  // -1: not chosen yet
+std::once_flag g_isa_once;
 
 }  // namespace
 
-namespace {
-// Forward; y and/or argmax may be null (the keep-z backward only wants the codes).
-template <typename T, typename C>
-void ForwardImpl(const PoolParams& p, const T* z, T* y, C* argmax, const ParallelRunner& runner) {
-  const int64_t units = p.images * p.out_rows;
-  const int64_t cost = std::max<int64_t>(1, p.out_cols * p.lanes * p.window_rows * p.window_cols) *
-                       kCyclesPerElement;
-  const int64_t row = p.out_cols * p.lanes;
-  runner.For(units, cost, [&](int64_t begin, int64_t end) {
-    RowScan<T> scan(p);
-    for (int64_t u = begin; u < end; ++u) {
-      if (argmax != nullptr) {
-        scan.template Run<true>(p, z, u / p.out_rows, u % p.out_rows);
-        C* __restrict cp = argmax + u * row;
-        for (int64_t i = 0; i < row; ++i) cp[i] = scan.template Code<C>(i);
-      } else {
-        scan.template Run<false>(p, z, u / p.out_rows, u % p.out_rows);
-      }
-      if (y != nullptr) {
-        T* __restrict yp = y + u * row;
-        for (int64_t i = 0; i < row; ++i) yp[i] = ValueTraits<T>::FromAcc(scan.max[i]);
-      }
-    }
-  });
+const char* CpuIsaName(CpuIsa isa) {
+  switch (isa) {
+    case CpuIsa::kAvx2: return "avx2";
+    case CpuIsa::kAvx512: return "avx512";
+    default: return "baseline";
+  }
 }
-}  // namespace
+
+bool CpuIsaSupported(CpuIsa isa) { return Supported(isa); }
+
+CpuIsa ActiveCpuIsa() {
+  int isa = g_isa.load(std::memory_order_acquire);
+  if (isa < 0) {
+    std::call_once(g_isa_once, [] {
+      int unset = -1;
+      g_isa.compare_exchange_strong(unset, static_cast<int>(FromEnvironment()));
+    });
+    isa = g_isa.load(std::memory_order_acquire);
+  }
+  return static_cast<CpuIsa>(isa);
+}
+
+std::string SetCpuIsa(CpuIsa isa) {
+  if (!Supported(isa)) {
+    return std::string("CPU path ") + CpuIsaName(isa) + " is not supported by this CPU or build";
+  }
+  ActiveCpuIsa();  // read the environment first, so that it cannot override this later
+  g_isa.store(static_cast<int>(isa), std::memory_order_release);
+  return "";
+}
+
+// Calls `cpu_<isa>::<call>` for the active path. The chosen path is read once per call.
+#if TFRP_CPU_MULTI_ISA
+#define TFRP_CPU_DISPATCH(...)                                  \
+  switch (ActiveCpuIsa()) {                                     \
+    case CpuIsa::kAvx512: return cpu_avx512::__VA_ARGS__;       \
+    case CpuIsa::kAvx2: return cpu_avx2::__VA_ARGS__;           \
+    default: return cpu_baseline::__VA_ARGS__;                  \
+  }
+#else
+#define TFRP_CPU_DISPATCH(...) return cpu_baseline::__VA_ARGS__;
+#endif
 
 template <typename T>
 void ReluMaxPoolForwardCpu(const PoolParams& p, const T* z, T* y, const ParallelRunner& runner) {
-  ForwardImpl<T, uint8_t>(p, z, y, nullptr, runner);
+  TFRP_CPU_DISPATCH(Forward<T>(p, z, y, runner));
 }
-
-namespace {
-// True when the windows tile the input exactly (window == stride and no leftover rows or
-// columns): then every dz element is written by exactly one window and nothing needs zeroing.
-inline bool WindowsTileInput(const PoolParams& p) {
-  return p.window_rows == p.stride_rows && p.window_cols == p.stride_cols &&
-         p.out_rows * p.stride_rows - p.pad_top >= p.in_rows &&
-         p.out_cols * p.stride_cols - p.pad_left >= p.in_cols;
-}
-
-// Gradient of one output row, ready to be written: element i = pw * lanes + l puts `hit[i]` at
-// window code `pos[i]` (-1: none) and `first[i]` at the window's first position; all else +0.
-template <typename T>
-struct RowGrad {
-  std::vector<int32_t> pos;
-  std::vector<Bits<T>> hit, first;  // T values as bits
-  explicit RowGrad(const PoolParams& p)
-      : pos(p.out_cols * p.lanes), hit(p.out_cols * p.lanes), first(p.out_cols * p.lanes) {}
-
-  // Element i's code c (sentinel: route to the first position, times zero) and its dy.
-  template <typename C>
-  void Set(int64_t i, C c, T dy) {
-    const T zero = ValueTraits<T>::FromAcc(Acc<T>(0));
-    const T g = AddAcc(zero, dy);  // stock adds dy to a zeroed buffer
-    const bool positive = c != ArgmaxSentinel<C>();
-    pos[i] = SelectBits<int32_t>(positive, static_cast<int32_t>(c), -1);
-    hit[i] = ToBits(g);
-    first[i] = SelectBits<Bits<T>>(positive, Bits<T>(0), ToBits(MaskAcc(g, false)));
-  }
-
-  // Writes the row's windows into dz (disjoint windows only). +0 is all-zero bits in every type.
-  void Write(const PoolParams& p, int64_t img, int64_t ph, T* dz) const {
-    const ColumnRange inner = p.lanes == 1 ? InteriorColumns(p) : ColumnRange{0, 0};
-    for (int64_t pw = 0; pw < p.out_cols; ++pw) {
-      if (pw == inner.begin && inner.end > inner.begin) {
-        WriteInterior(p, img, ph, inner, dz);
-        pw = inner.end - 1;
-        continue;
-      }
-      WriteWindow(p, img, WindowOf(p, ph, pw), pw * p.lanes, dz);
-    }
-  }
-
- private:
-  static inline Bits<T> Pick(int32_t pos, int32_t code, Bits<T> hit, Bits<T> other) {
-    return SelectBits<Bits<T>>(pos == code, hit, other);
-  }
-
-  void WriteWindow(const PoolParams& p, int64_t img, const ClippedWindow& win, int64_t at,
-                   T* dz) const {
-    const int64_t L = p.lanes;
-    const int32_t* __restrict ps = pos.data() + at;
-    const Bits<T>* __restrict h1 = hit.data() + at;
-    const Bits<T>* __restrict f1 = first.data() + at;
-    for (int64_t h = win.row_begin; h < win.row_end; ++h) {
-      for (int64_t w = win.col_begin; w < win.col_end; ++w) {
-        const int32_t code =
-            static_cast<int32_t>((h - win.row_begin) * p.code_pitch + (w - win.col_begin));
-        AliasBits<T>* __restrict d =
-            reinterpret_cast<AliasBits<T>*>(dz + ((img * p.in_rows + h) * p.in_cols + w) * L);
-        if (code == 0) {
-          for (int64_t l = 0; l < L; ++l) d[l] = Pick(ps[l], code, h1[l], f1[l]);
-        } else {
-          for (int64_t l = 0; l < L; ++l) d[l] = Pick(ps[l], code, h1[l], 0);
-        }
-      }
-    }
-  }
-
-  // One lane: all interior windows of the row at once, vectorised along output columns.
-  void WriteInterior(const PoolParams& p, int64_t img, int64_t ph, ColumnRange cols, T* dz) const {
-    const ClippedWindow rows = WindowOf(p, ph, cols.begin);
-    const int64_t s = p.stride_cols;
-    const int32_t* __restrict ps = pos.data();
-    const Bits<T>* __restrict h1 = hit.data();
-    const Bits<T>* __restrict f1 = first.data();
-    for (int64_t h = rows.row_begin; h < rows.row_end; ++h) {
-      AliasBits<T>* __restrict d =
-          reinterpret_cast<AliasBits<T>*>(dz + (img * p.in_rows + h) * p.in_cols - p.pad_left);
-      for (int64_t dw = 0; dw < p.window_cols; ++dw) {
-        const int32_t code = static_cast<int32_t>((h - rows.row_begin) * p.code_pitch + dw);
-        if (code == 0) {
-          for (int64_t pw = cols.begin; pw < cols.end; ++pw) {
-            d[pw * s + dw] = Pick(ps[pw], code, h1[pw], f1[pw]);
-          }
-        } else {
-          for (int64_t pw = cols.begin; pw < cols.end; ++pw) {
-            d[pw * s + dw] = Pick(ps[pw], code, h1[pw], 0);
-          }
-        }
-      }
-    }
-  }
-};
-
-// Disjoint windows: each (image, output row) unit owns a band of input rows; it zeroes the band
-// unless the windows tile it, then writes the row's window gradients. fill(img, ph, grad) sets
-// every element of `grad` for that row.
-template <typename T, typename Fill>
-void DisjointBackward(const PoolParams& p, const ParallelRunner& runner, T* dz, Fill fill) {
-  const int64_t units = p.images * p.out_rows;
-  const int64_t cost = std::max<int64_t>(1, p.in_cols * p.lanes * p.stride_rows) * kCyclesPerElement;
-  const bool tiles = WindowsTileInput(p);
-  runner.For(units, cost, [&](int64_t begin, int64_t end) {
-    RowGrad<T> grad(p);
-    auto fill_row = fill();  // per-shard state
-    for (int64_t u = begin; u < end; ++u) {
-      const int64_t img = u / p.out_rows, ph = u % p.out_rows;
-      if (!tiles) {
-        int64_t rb, re;
-        RowBand(p, ph, &rb, &re);
-        const int64_t row_elems = p.in_cols * p.lanes;
-        std::memset(dz + (img * p.in_rows + rb) * row_elems, 0, (re - rb) * row_elems * sizeof(T));
-      }
-      fill_row(img, ph, &grad);
-      grad.Write(p, img, ph, dz);
-    }
-  });
-}
-
-// Gather form for overlapping windows: each input element sums, in output order, dy of the
-// windows whose code routes to it, then applies the mask.
-template <typename T, typename C>
-void GatherBackward(const PoolParams& p, const T* dy, const C* argmax, T* dz,
-                    const ParallelRunner& runner) {
-  const int64_t units = p.images * p.in_rows;
-  const int64_t per_elem = ((p.window_rows + p.stride_rows - 1) / p.stride_rows) *
-                           ((p.window_cols + p.stride_cols - 1) / p.stride_cols);
-  const int64_t cost = std::max<int64_t>(1, p.in_cols * p.lanes * per_elem) * kCyclesPerElement;
-  const C sentinel = ArgmaxSentinel<C>();
-  runner.For(units, cost, [&](int64_t begin, int64_t end) {
-    std::vector<T> acc(p.lanes);
-    std::vector<int32_t> positive(p.lanes);  // int32 like the codes compared: vectorises
-    const T zero = ValueTraits<T>::FromAcc(Acc<T>(0));
-    for (int64_t u = begin; u < end; ++u) {
-      const int64_t img = u / p.in_rows, h = u % p.in_rows;
-      int64_t ph0, ph1;
-      OutputsCovering(h, p.pad_top, p.window_rows, p.stride_rows, p.out_rows, &ph0, &ph1);
-      for (int64_t w = 0; w < p.in_cols; ++w) {
-        int64_t pw0, pw1;
-        OutputsCovering(w, p.pad_left, p.window_cols, p.stride_cols, p.out_cols, &pw0, &pw1);
-        T* __restrict a = acc.data();
-        int32_t* __restrict pos = positive.data();
-        for (int64_t l = 0; l < p.lanes; ++l) {
-          a[l] = zero;
-          pos[l] = 0;
-        }
-        for (int64_t ph = ph0; ph < ph1; ++ph) {
-          for (int64_t pw = pw0; pw < pw1; ++pw) {
-            const ClippedWindow win = WindowOf(p, ph, pw);
-            const int32_t expected =
-                static_cast<int32_t>((h - win.row_begin) * p.code_pitch + (w - win.col_begin));
-            const bool first = h == win.row_begin && w == win.col_begin;
-            const int32_t first_sentinel = first ? static_cast<int32_t>(sentinel) : -2;
-            const int64_t o = ((img * p.out_rows + ph) * p.out_cols + pw) * p.lanes;
-            const C* __restrict cp = argmax + o;
-            const T* __restrict gp = dy + o;
-            for (int64_t l = 0; l < p.lanes; ++l) {
-              const int32_t c = static_cast<int32_t>(cp[l]);
-              const bool hit = c == expected;
-              const bool take = hit | (c == first_sentinel);
-              // a + (+0) == a for every a this sum can hold (it starts at +0, so it is never
-              // -0): adding a selected zero keeps the loop branch-free.
-              a[l] = AddAcc(a[l], FromBits<T>(SelectBits<Bits<T>>(take, ToBits(gp[l]), 0)));
-              pos[l] |= hit;
-            }
-          }
-        }
-        T* __restrict out = dz + ((img * p.in_rows + h) * p.in_cols + w) * p.lanes;
-        for (int64_t l = 0; l < p.lanes; ++l) out[l] = MaskAcc(a[l], pos[l] != 0);
-      }
-    }
-  });
-}
-
-// One-lane (NCHW) form for overlapping windows: each image plane is small, so a sequential
-// scatter in output order (the order stock adds in) beats the gather, which cannot vectorise
-// across lanes here. `received` marks elements some positive code routed to: the mask.
-template <typename T, typename C>
-void ScatterBackwardOneLane(const PoolParams& p, const T* dy, const C* argmax, T* dz,
-                            const ParallelRunner& runner) {
-  const int64_t plane = p.in_rows * p.in_cols, out_plane = p.out_rows * p.out_cols;
-  // Offset of each code from its window's first element, without a division per element.
-  std::vector<int64_t> offset(p.code_positions);
-  for (int64_t c = 0; c < p.code_positions; ++c) {
-    offset[c] = (c / p.code_pitch) * p.in_cols + c % p.code_pitch;
-  }
-  const C sentinel = ArgmaxSentinel<C>();
-  runner.For(p.images, std::max<int64_t>(1, plane + out_plane) * kCyclesPerElement,
-             [&](int64_t begin, int64_t end) {
-    std::vector<uint8_t> received(plane);
-    for (int64_t img = begin; img < end; ++img) {
-      T* d = dz + img * plane;
-      std::memset(d, 0, plane * sizeof(T));
-      std::fill(received.begin(), received.end(), 0);
-      const C* cp = argmax + img * out_plane;
-      const T* gp = dy + img * out_plane;
-      for (int64_t ph = 0; ph < p.out_rows; ++ph) {
-        for (int64_t pw = 0; pw < p.out_cols; ++pw) {
-          const ClippedWindow win = WindowOf(p, ph, pw);
-          const C c = cp[ph * p.out_cols + pw];
-          const bool positive = c != sentinel;
-          const int64_t i = win.row_begin * p.in_cols + win.col_begin +
-                            (positive ? offset[static_cast<int64_t>(c)] : 0);
-          d[i] = AddAcc(d[i], gp[ph * p.out_cols + pw]);
-          received[i] |= positive;
-        }
-      }
-      for (int64_t i = 0; i < plane; ++i) d[i] = MaskAcc(d[i], received[i] != 0);
-    }
-  });
-}
-
-template <typename T, typename C>
-void OverlappingBackward(const PoolParams& p, const T* dy, const C* argmax, T* dz,
-                         const ParallelRunner& runner) {
-  if (p.lanes == 1) return ScatterBackwardOneLane<T, C>(p, dy, argmax, dz, runner);
-  GatherBackward<T, C>(p, dy, argmax, dz, runner);
-}
-
-// The narrowest code type for the keep-z backward's workspace.
-template <typename Fn>
-auto WithWorkspaceCodeType(const PoolParams& p, Fn fn) {
-  if (p.code_positions < ArgmaxSentinel<uint8_t>()) return fn(uint8_t{});
-  if (p.code_positions < ArgmaxSentinel<uint16_t>()) return fn(uint16_t{});
-  return fn(int32_t{});
-}
-
-}  // namespace
 
 template <typename T, typename C>
 void ReluMaxPoolForwardWithArgmaxCpu(const PoolParams& p, const T* z, T* y, C* argmax,
                                      const ParallelRunner& runner) {
-  ForwardImpl<T, C>(p, z, y, argmax, runner);
+  TFRP_CPU_DISPATCH(ForwardWithArgmax<T, C>(p, z, y, argmax, runner));
 }
 
 int64_t BackwardFromInputWorkspaceBytes(const PoolParams& p) {
   if (p.windows_disjoint()) return 0;
-  return WithWorkspaceCodeType(p, [&](auto c) { return p.out_elements() * int64_t(sizeof(c)); });
+  return cpu_baseline::WithWorkspaceCodeType(
+      p, [&](auto c) { return p.out_elements() * int64_t(sizeof(c)); });
 }
 
 template <typename T>
 void ReluMaxPoolBackwardFromInputCpu(const PoolParams& p, const T* z, const T* dy, T* dz,
                                      void* workspace, const ParallelRunner& runner) {
-  if (p.out_elements() == 0) return FillZero(dz, p.in_elements(), runner);
-  if (!p.windows_disjoint()) {
-    // Overlapping windows: codes into the workspace (z read once), then the gather.
-    WithWorkspaceCodeType(p, [&](auto c) {
-      using C = decltype(c);
-      C* codes = static_cast<C*>(workspace);
-      ForwardImpl<T, C>(p, z, nullptr, codes, runner);
-      OverlappingBackward<T, C>(p, dy, codes, dz, runner);
-      return 0;
-    });
-    return;
-  }
-  DisjointBackward<T>(p, runner, dz, [&]() {
-    return [&p, z, dy, scan = RowScan<T>(p)](int64_t img, int64_t ph, RowGrad<T>* grad) mutable {
-      scan.template Run<true>(p, z, img, ph);
-      const T* dyr = dy + (img * p.out_rows + ph) * p.out_cols * p.lanes;
-      for (int64_t i = 0; i < p.out_cols * p.lanes; ++i) {
-        grad->Set(i, scan.template Code<int32_t>(i), dyr[i]);
-      }
-    };
-  });
+  TFRP_CPU_DISPATCH(BackwardFromInput<T>(p, z, dy, dz, workspace, runner));
 }
 
 template <typename C>
 int64_t FindInvalidArgmaxCpu(const PoolParams& p, const C* argmax, const ParallelRunner& runner) {
-  std::atomic<int64_t> first_bad{-1};
-  const int64_t units = p.images * p.out_rows;
-  using U = std::make_unsigned_t<C>;  // negative int32 codes become huge, hence invalid
-  const U sentinel = static_cast<U>(ArgmaxSentinel<C>());
-  runner.For(units, std::max<int64_t>(1, p.out_cols * p.lanes) * 2, [&](int64_t begin, int64_t end) {
-    for (int64_t u = begin; u < end; ++u) {
-      const int64_t img = u / p.out_rows, ph = u % p.out_rows;
-      for (int64_t pw = 0; pw < p.out_cols; ++pw) {
-        const ClippedWindow win = WindowOf(p, ph, pw);
-        const int64_t rows = win.row_end - win.row_begin, cols = win.col_end - win.col_begin;
-        const int64_t o = ((img * p.out_rows + ph) * p.out_cols + pw) * p.lanes;
-        const U* cp = reinterpret_cast<const U*>(argmax + o);
-        // Codes below rows * pitch name a row of the window; unless the window is clipped on
-        // the right (cols < pitch) that is all there is to check, without a division per code.
-        const uint64_t limit = static_cast<uint64_t>(rows * p.code_pitch);
-        bool any_bad = false;
-        for (int64_t l = 0; l < p.lanes; ++l) {
-          any_bad |= (cp[l] != sentinel) & (static_cast<uint64_t>(cp[l]) >= limit);
-        }
-        if (!any_bad && cols == p.code_pitch) continue;
-        for (int64_t l = 0; l < p.lanes; ++l) {
-          if (cp[l] == sentinel) continue;
-          const uint64_t v = cp[l];
-          if (v < limit && static_cast<int64_t>(v % p.code_pitch) < cols) continue;
-          // Keep the smallest bad index whatever the split, so the error message is stable.
-          int64_t cur = first_bad.load();
-          while ((cur < 0 || o + l < cur) && !first_bad.compare_exchange_weak(cur, o + l)) {
-          }
-          break;
-        }
-      }
-    }
-  });
-  return first_bad.load();
+  TFRP_CPU_DISPATCH(FindInvalidArgmax<C>(p, argmax, runner));
 }
 
 template <typename T, typename C>
 void ReluMaxPoolBackwardFromArgmaxCpu(const PoolParams& p, const T* dy, const C* argmax, T* dz,
                                       const ParallelRunner& runner) {
-  if (p.out_elements() == 0) return FillZero(dz, p.in_elements(), runner);
-  if (!p.windows_disjoint()) return OverlappingBackward<T, C>(p, dy, argmax, dz, runner);
-  DisjointBackward<T>(p, runner, dz, [&]() {
-    return [&p, dy, argmax](int64_t img, int64_t ph, RowGrad<T>* grad) {
-      const int64_t o = (img * p.out_rows + ph) * p.out_cols * p.lanes;
-      for (int64_t i = 0; i < p.out_cols * p.lanes; ++i) grad->Set(i, argmax[o + i], dy[o + i]);
-    };
-  });
+  TFRP_CPU_DISPATCH(BackwardFromArgmax<T, C>(p, dy, argmax, dz, runner));
 }
 
 template <typename T, typename C>
 void ReluMaxPoolGradGradFromArgmaxCpu(const PoolParams& p, const T* ddz, const C* argmax, T* ddy,
                                       const ParallelRunner& runner) {
-  const int64_t units = p.images * p.out_rows;
-  const int64_t row = p.out_cols * p.lanes;
-  const C sentinel = ArgmaxSentinel<C>();
-  // Input offset of each code from its window's first element, without a division per element.
-  std::vector<int64_t> offset(std::max<int64_t>(p.code_positions, 1));
-  for (int64_t c = 0; c < p.code_positions; ++c) {
-    offset[c] = ((c / p.code_pitch) * p.in_cols + c % p.code_pitch) * p.lanes;
-  }
-  runner.For(units, std::max<int64_t>(1, row) * kCyclesPerElement, [&](int64_t begin, int64_t end) {
-    for (int64_t u = begin; u < end; ++u) {
-      const int64_t img = u / p.out_rows, ph = u % p.out_rows;
-      const C* __restrict cp = argmax + u * row;
-      T* __restrict out = ddy + u * row;
-      for (int64_t pw = 0; pw < p.out_cols; ++pw) {
-        const ClippedWindow win = WindowOf(p, ph, pw);
-        const T* first = ddz + ((img * p.in_rows + win.row_begin) * p.in_cols + win.col_begin) * p.lanes;
-        for (int64_t l = 0; l < p.lanes; ++l) {
-          const C c = cp[pw * p.lanes + l];
-          const bool positive = c != sentinel;
-          const int64_t at = (positive ? offset[static_cast<int64_t>(c)] : 0) + l;
-          out[pw * p.lanes + l] = MaskAcc(first[at], positive);
-        }
-      }
-    }
-  });
+  TFRP_CPU_DISPATCH(GradGradFromArgmax<T, C>(p, ddz, argmax, ddy, runner));
 }
 
 #define TFRP_INSTANTIATE_T(T)                                                                     \
@@ -632,3 +276,30 @@ template int64_t FindInvalidArgmaxCpu<uint16_t>(const PoolParams&, const uint16_
 template int64_t FindInvalidArgmaxCpu<int32_t>(const PoolParams&, const int32_t*, const ParallelRunner&);
 
 }  // namespace tf_relupool
+
+// C entry points for tools that load the op library with ctypes (tests/test_cpu_dispatch.py,
+// benchmarks/bench_ops.py): which path runs, and switching it within a process.
+extern "C" {
+__attribute__((visibility("default"))) const char* tf_relupool_cpu_isa() {
+  return tf_relupool::CpuIsaName(tf_relupool::ActiveCpuIsa());
+}
+// Returns 0 on success, -1 for an unknown name, -2 for a path this CPU or build cannot run.
+__attribute__((visibility("default"))) int tf_relupool_set_cpu_isa(const char* name) {
+  using tf_relupool::CpuIsa;
+  for (CpuIsa isa : {CpuIsa::kBaseline, CpuIsa::kAvx2, CpuIsa::kAvx512}) {
+    if (std::strcmp(name, tf_relupool::CpuIsaName(isa)) == 0) {
+      return tf_relupool::SetCpuIsa(isa).empty() ? 0 : -2;
+    }
+  }
+  return -1;
+}
+__attribute__((visibility("default"))) int tf_relupool_cpu_isa_supported(const char* name) {
+  using tf_relupool::CpuIsa;
+  for (CpuIsa isa : {CpuIsa::kBaseline, CpuIsa::kAvx2, CpuIsa::kAvx512}) {
+    if (std::strcmp(name, tf_relupool::CpuIsaName(isa)) == 0) {
+      return tf_relupool::CpuIsaSupported(isa) ? 1 : 0;
+    }
+  }
+  return 0;
+}
+}

@@ -1,0 +1,197 @@
+// Per-ISA vector primitives for the CPU kernels (relu_max_pool_cpu_impl.h).
+//
+// NO include guard: relu_max_pool_cpu.cc includes this once per instruction set, inside that
+// set's namespace and `#pragma GCC target` region, after defining TFRP_CPU_VEC_BYTES (16: SSE2,
+// 32: AVX2, 64: AVX-512) and TFRP_CPU_ISA_AVX2 / TFRP_CPU_ISA_AVX512 (0 or 1).
+//
+// The vectors are GCC/Clang vector extensions of one register's width: every operation on them is
+// the same IEEE operation as the scalar code's, lane by lane (compare, select, add, multiply by
+// 0/1), so vector and scalar results are bitwise identical. Only conversions between bytes and
+// 32-bit lanes use intrinsics, because GCC lowers __builtin_convertvector between those widths to
+// element-by-element code.
+
+// Everything here and the per-element helpers of the 2x2 loops are forced inline: GCC otherwise
+// leaves some of them out of line inside the big loop bodies, passing vectors through memory.
+#define TFRP_VEC_INLINE inline __attribute__((always_inline))
+
+constexpr int kVecBytes = TFRP_CPU_VEC_BYTES;
+constexpr int kVecLanes = kVecBytes / 4;  // 32-bit lanes per vector: 4, 8 or 16
+typedef float VecF __attribute__((vector_size(kVecBytes)));
+typedef int32_t VecI __attribute__((vector_size(kVecBytes)));  // comparison masks: 0 / -1
+typedef uint32_t VecU __attribute__((vector_size(kVecBytes)));
+typedef uint16_t VecU16 __attribute__((vector_size(kVecBytes / 2)));  // kVecLanes 16-bit values
+typedef uint64_t VecU64 __attribute__((vector_size(kVecBytes * 2)));  // kVecLanes 64-bit values
+
+template <typename V>
+TFRP_VEC_INLINE V LoadVec(const void* p) {
+  V v;
+  std::memcpy(&v, p, sizeof(v));  // unaligned load
+  return v;
+}
+template <typename V>
+TFRP_VEC_INLINE void StoreVec(void* p, V v) {
+  std::memcpy(p, &v, sizeof(v));
+}
+TFRP_VEC_INLINE VecF SplatF(float f) { return VecF{} + f; }
+TFRP_VEC_INLINE VecU SplatU(uint32_t u) { return VecU{} + u; }
+
+// Writes the sizeof(V) bytes of v to p; with kStream, as non-temporal (streaming) stores where p
+// is aligned to the store width: they skip reading the destination's cache lines before writing
+// them (a third of a copy's memory traffic) and do not evict the inputs from the caches. Worth it
+// only for outputs far larger than the caches; the caller decides, and ends with StreamFence().
+template <bool kStream, typename V>
+TFRP_VEC_INLINE void PutVec(void* p, const V& v) {
+  constexpr size_t kChunk = sizeof(V) < size_t{kVecBytes} ? sizeof(V) : size_t{kVecBytes};
+  if (!kStream || kChunk < 16 || reinterpret_cast<uintptr_t>(p) % kChunk != 0) {
+    std::memcpy(p, &v, sizeof(V));
+    return;
+  }
+  for (size_t at = 0; at < sizeof(V); at += kChunk) {
+    char* q = static_cast<char*>(p) + at;
+    const char* src = reinterpret_cast<const char*>(&v) + at;
+    if constexpr (kChunk == 16) {
+      _mm_stream_si128(reinterpret_cast<__m128i*>(q), _mm_loadu_si128(reinterpret_cast<const __m128i*>(src)));
+#if TFRP_CPU_ISA_AVX2 || TFRP_CPU_ISA_AVX512
+    } else if constexpr (kChunk == 32) {
+      _mm256_stream_si256(reinterpret_cast<__m256i*>(q), _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src)));
+#endif
+#if TFRP_CPU_ISA_AVX512
+    } else if constexpr (kChunk == 64) {
+      _mm512_stream_si512(reinterpret_cast<__m512i*>(q), _mm512_loadu_si512(src));
+#endif
+    } else {
+      std::memcpy(q, src, kChunk);
+    }
+  }
+}
+// Orders this thread's streaming stores before its later stores (the runner's completion
+// signal): streaming stores are weakly ordered.
+TFRP_VEC_INLINE void StreamFence() { _mm_sfence(); }
+
+// kVecLanes bytes <-> 32-bit lanes (values 0..255).
+TFRP_VEC_INLINE VecU WidenBytes(const uint8_t* p) {
+#if TFRP_CPU_ISA_AVX512
+  // The maskz forms: GCC 12's plain ones start from an "undefined" vector and warn about it.
+  return (VecU)_mm512_maskz_cvtepu8_epi32(0xffff, _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+#elif TFRP_CPU_ISA_AVX2
+  return (VecU)_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+#else
+  int32_t word;
+  std::memcpy(&word, p, 4);
+  const __m128i zero = _mm_setzero_si128();
+  return (VecU)_mm_unpacklo_epi16(_mm_unpacklo_epi8(_mm_cvtsi32_si128(word), zero), zero);
+#endif
+}
+template <bool kStream>
+TFRP_VEC_INLINE void NarrowToBytes(VecU v, uint8_t* p) {
+#if TFRP_CPU_ISA_AVX512
+  PutVec<kStream>(p, _mm512_maskz_cvtepi32_epi8(0xffff, (__m512i)v));
+#elif TFRP_CPU_ISA_AVX2
+  const __m128i lo = _mm256_castsi256_si128((__m256i)v);
+  const __m128i hi = _mm256_extracti128_si256((__m256i)v, 1);
+  const __m128i w = _mm_packs_epi32(lo, hi);  // values <= 255: no saturation
+  _mm_storel_epi64(reinterpret_cast<__m128i*>(p), _mm_packus_epi16(w, w));
+#else
+  const __m128i w = _mm_packs_epi32((__m128i)v, (__m128i)v);
+  const int32_t word = _mm_cvtsi128_si32(_mm_packus_epi16(w, w));
+  std::memcpy(p, &word, 4);
+#endif
+}
+
+// kVecLanes 16-bit values <-> 32-bit lanes (zero-extended; narrowing keeps the low 16 bits of
+// lanes that hold values below 2^16). GCC splits these conversions into halves otherwise.
+TFRP_VEC_INLINE VecU Widen16(const void* p) {
+#if TFRP_CPU_ISA_AVX512
+  return (VecU)_mm512_maskz_cvtepu16_epi32(0xffff, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+#elif TFRP_CPU_ISA_AVX2
+  return (VecU)_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+#else
+  return (VecU)_mm_unpacklo_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)), _mm_setzero_si128());
+#endif
+}
+template <bool kStream>
+TFRP_VEC_INLINE void Narrow16(VecU v, void* p) {
+#if TFRP_CPU_ISA_AVX512
+  PutVec<kStream>(p, _mm512_maskz_cvtepi32_epi16(0xffff, (__m512i)v));
+#elif TFRP_CPU_ISA_AVX2
+  const __m256i w = _mm256_packus_epi32((__m256i)v, (__m256i)v);  // per 128-bit half
+  PutVec<kStream>(p, _mm256_castsi256_si128(_mm256_permute4x64_epi64(w, 0x08)));
+#else
+  // SSE2 has only the signed pack: sign-extend the 16-bit values first, so none saturates.
+  const __m128i x = _mm_srai_epi32(_mm_slli_epi32((__m128i)v, 16), 16);
+  _mm_storel_epi64(reinterpret_cast<__m128i*>(p), _mm_packs_epi32(x, x));
+#endif
+}
+
+// Value types with a vector path: float and bfloat16, both computed in float lanes.
+//   Load(p):        kVecLanes consecutive values as floats (exact).
+//   LoadPairs(p):   2 * kVecLanes consecutive values, split into even and odd elements.
+//   Round(f):       the bits of ValueTraits<T>::FromAcc(f), in 32-bit lanes.
+//   RoundExactOrNaN(f): the same, for f that T represents exactly or NaN (cheaper).
+//   Exact(f):       the same for f that T represents exactly (no rounding needed).
+//   Widen(bits):    ValueTraits<T>::ToAcc of T bits held in 32-bit lanes.
+//   Store / StorePairs: write T bits (32-bit lanes); StorePairs interleaves even and odd.
+template <typename T>
+struct VecType {
+  static constexpr bool kSupported = false;
+};
+
+template <>
+struct VecType<float> {
+  static constexpr bool kSupported = true;
+  static TFRP_VEC_INLINE VecF Load(const float* p) { return LoadVec<VecF>(p); }
+  static TFRP_VEC_INLINE void LoadPairs(const float* p, VecF* even, VecF* odd) {
+    VecU64 pairs;  // element 2i in the low half of 64-bit lane i
+    std::memcpy(&pairs, p, sizeof(pairs));
+    *even = (VecF)__builtin_convertvector(pairs, VecU);
+    *odd = (VecF)__builtin_convertvector(pairs >> 32, VecU);
+  }
+  static TFRP_VEC_INLINE VecU Round(VecF f) { return (VecU)f; }
+  static TFRP_VEC_INLINE VecU RoundExactOrNaN(VecF f) { return (VecU)f; }
+  static TFRP_VEC_INLINE VecU Exact(VecF f) { return (VecU)f; }
+  static TFRP_VEC_INLINE VecF Widen(VecU bits) { return (VecF)bits; }
+  template <bool kStream>
+  static TFRP_VEC_INLINE void Store(float* p, VecU bits) { PutVec<kStream>(p, bits); }
+  template <bool kStream>
+  static TFRP_VEC_INLINE void StorePairs(float* p, VecU even, VecU odd) {
+    const VecU64 pairs =
+        __builtin_convertvector(even, VecU64) | (__builtin_convertvector(odd, VecU64) << 32);
+    PutVec<kStream>(p, pairs);
+  }
+};
+
+template <>
+struct VecType<BFloat16> {
+  static constexpr bool kSupported = true;
+  static TFRP_VEC_INLINE VecF Load(const BFloat16* p) { return (VecF)(Widen16(p) << 16); }
+  static TFRP_VEC_INLINE void LoadPairs(const BFloat16* p, VecF* even, VecF* odd) {
+    const VecU pairs = LoadVec<VecU>(p);  // element 2i in the low 16 bits of lane i
+    *even = (VecF)(pairs << 16);
+    *odd = (VecF)(pairs & 0xffff0000u);
+  }
+  // FloatToBFloat16, lane by lane: NaN -> sign | 0x7fc0, else round to nearest even.
+  static TFRP_VEC_INLINE VecU Round(VecF f) {
+    const VecU u = (VecU)f;
+    const VecU nan = (VecU)((u & 0x7fffffffu) > 0x7f800000u);
+    const VecU quiet = ((u >> 16) & 0x8000u) | 0x7fc0u;
+    const VecU rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+    return (nan & quiet) | (~nan & rounded);
+  }
+  static TFRP_VEC_INLINE VecU Exact(VecF f) { return (VecU)f >> 16; }
+  // Round(f) for f that is a bfloat16 value or a NaN (sums and products of bfloat16 values with
+  // +0 and 0): the low 16 bits are zero, so rounding is a shift; NaN as in Round.
+  static TFRP_VEC_INLINE VecU RoundExactOrNaN(VecF f) {
+    const VecU u = (VecU)f;
+    const VecU nan = (VecU)((u & 0x7fffffffu) > 0x7f800000u);
+    return (nan & (((u >> 16) & 0x8000u) | 0x7fc0u)) | (~nan & (u >> 16));
+  }
+  static TFRP_VEC_INLINE VecF Widen(VecU bits) { return (VecF)(bits << 16); }
+  template <bool kStream>
+  static TFRP_VEC_INLINE void Store(BFloat16* p, VecU bits) {
+    Narrow16<kStream>(bits, p);
+  }
+  template <bool kStream>
+  static TFRP_VEC_INLINE void StorePairs(BFloat16* p, VecU even, VecU odd) {
+    PutVec<kStream>(p, even | (odd << 16));
+  }
+};
