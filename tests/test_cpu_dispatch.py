@@ -108,8 +108,10 @@ def _probe(env_value):
     env.pop("TF_RELUPOOL_CPU_ISA", None)
     if env_value is not None:
         env["TF_RELUPOOL_CPU_ISA"] = env_value
+    # cwd: `python -c` puts it first on sys.path; outside the source tree the installed package
+    # (with its compiled library) is imported.
     proc = subprocess.run([sys.executable, "-c", _PROBE], env=env, capture_output=True, text=True,
-                          timeout=300)
+                          timeout=300, cwd=os.path.dirname(os.path.abspath(__file__)))
     assert proc.returncode == 0, proc.stderr[-3000:]
     isa = re.search(r"^ISA (\w+)$", proc.stdout, re.M).group(1)
     logs = [line for line in proc.stderr.splitlines() if line.startswith("tf_relupool:")]
