@@ -184,6 +184,107 @@ def test_keras_conv_relu_after_remapper_is_fused():
     assert r["stats"]["errors"] == 0
 
 
+def test_keras_conv_relu_fit_is_bitwise_equal_to_switch_off():
+    # The convolution keeps its fused ReLU (the kernel stock runs); its output feeds the fused op.
+    r = run_case("""
+        import keras
+        def train(switch):
+            if switch:
+                tf_relupool.enable_recompute()
+            else:
+                tf_relupool.disable_recompute()
+            keras.utils.set_random_seed(0)
+            m = keras.Sequential([keras.Input((16, 16, 3)),
+                                  keras.layers.Conv2D(4, 3, activation="relu", padding="same"),
+                                  keras.layers.MaxPooling2D(), keras.layers.Flatten(),
+                                  keras.layers.Dense(3)])
+            m.compile(keras.optimizers.SGD(0.1),
+                      keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                      jit_compile=False)
+            x = tf.random.stateless_normal([16, 16, 16, 3], seed=[1, 2])
+            y = tf.random.stateless_uniform([16], [3, 4], maxval=3, dtype=tf.int32)
+            grappler.reset_stats()
+            h = m.fit(x, y, epochs=2, batch_size=8, verbose=0, shuffle=False)
+            return h.history["loss"], [w.tobytes().hex() for w in m.get_weights()], grappler.stats()
+        off_loss, off_w, _ = train(False)
+        on_loss, on_w, st = train(True)
+        print(json.dumps(dict(same=off_loss == on_loss and off_w == on_w, stats=st)))
+    """)
+    assert r["stats"]["fused_conv_relu"] >= 1 and r["stats"]["errors"] == 0, r["stats"]
+    assert r["same"]
+
+
+@pytest.mark.parametrize("keep", ["argmax", "input"])
+def test_fused_ops_between_transposes_take_their_nchw_form(keep):
+    # The graph the layout optimizer makes on a GPU of a model built with tf_relupool's layers:
+    # NCHW tensors, the NHWC fused ops between Transposes. Written by hand here (the CPU has no
+    # layout optimizer at work); the pass must leave no Transpose next to a fused op.
+    r = run_case(f"""
+        def make_fn(ksize, strides, padding, dtype):
+            # No Cast next to the Transposes: TF's arithmetic optimizer would swap them.
+            scale = tf.constant(np.linspace(-1.5, 1.5, 5).reshape(1, 5, 1, 1), dtype)
+            def step(x):
+                with tf.GradientTape() as tape:
+                    tape.watch(x)
+                    y = tf_relupool.relu_max_pool2d(tf.transpose(x * scale, [0, 2, 3, 1]), ksize,
+                                                    strides, padding, keep={keep!r})
+                    y = tf.transpose(y, [0, 3, 1, 2])
+                    loss = tf.reduce_sum(y * y)
+                return loss, tape.gradient(loss, x)
+            return step
+
+        def graph_of(fn, *args):
+            from tensorflow.python.eager import context
+            ctx = context.context()
+            ctx.enable_graph_collection()
+            out = fn(*args)
+            meta = ctx.export_run_metadata()
+            ctx.disable_graph_collection()
+            return out, [n for g in meta.function_graphs for n in g.post_optimization_graph.node]
+
+        def next_to_fused(nodes):
+            # ops feeding each fused op, or reading its output 0
+            by_name = {{n.name: n for n in nodes}}
+            near = []
+            for n in nodes:
+                if not n.op.startswith("ReluMaxPool"):
+                    continue
+                near += [by_name[i.split(":")[0]].op for i in n.input if not i.startswith("^")]
+                near += [m.op for m in nodes if n.name in m.input or n.name + ":0" in m.input]
+            return near, sorted({{n.attr["data_format"].s.decode() for n in nodes
+                                  if n.op.startswith("ReluMaxPool")}})
+
+        results = []
+        for ksize, strides, padding, dtype, batch in [(2, 2, "VALID", "float32", 3),
+                                                      (3, 2, "SAME", "bfloat16", None),
+                                                      (3, 1, "SAME", "float16", 3),
+                                                      (2, 3, "VALID", "float64", None)]:
+            sig = [tf.TensorSpec([batch, 5, 9, 7], dtype)]
+            x = tf.cast(tf.random.stateless_normal([3, 5, 9, 7], seed=[ksize, strides]), dtype)
+            tf_relupool.disable_recompute()
+            off, off_nodes = graph_of(tf.function(make_fn(ksize, strides, padding, dtype),
+                                                  input_signature=sig), x)
+            tf_relupool.enable_recompute({keep!r})
+            grappler.reset_stats()
+            on, on_nodes = graph_of(tf.function(make_fn(ksize, strides, padding, dtype),
+                                                input_signature=sig), x)
+            st = grappler.stats()
+            tf_relupool.disable_recompute()
+            results.append(dict(
+                same=all(bits_equal(a.numpy(), b.numpy()) for a, b in zip(off, on)),
+                off=next_to_fused(off_nodes), on=next_to_fused(on_nodes),
+                transposes=[sum(n.op == "Transpose" for n in off_nodes),
+                            sum(n.op == "Transpose" for n in on_nodes)],
+                nchw_ops=st["nchw_ops"], errors=st["errors"]))
+        print(json.dumps(results))
+    """)
+    for case in r:
+        assert case["same"], case
+        assert "Transpose" in case["off"][0] and case["off"][1] == ["NHWC"], case
+        assert "Transpose" not in case["on"][0] and case["on"][1] == ["NCHW"], case
+        assert case["transposes"] == [4, 0] and case["nchw_ops"] == 2 and case["errors"] == 0, case
+
+
 def test_environment_opt_out():
     r = run_case("""
         tf_relupool.enable_recompute()

@@ -485,3 +485,56 @@ def test_rewrite_model_resnet50_stem_bitwise_with_gradients():
         got = run(new)
     for g, w in zip(got, want):
         np.testing.assert_array_equal(g.numpy(), w.numpy())
+
+
+# -- the fused ops' NCHW form instead of transposes around them -------------------------------
+
+def transposed_pool_step(ksize, strides, padding, keep, dtype, batch):
+    """A training step that pools an NCHW tensor with the NHWC fused op between transposes: the
+    graph TensorFlow's layout optimizer makes of a model built with tf_relupool's layers on a
+    GPU (the NHWC convolution turned NCHW, the op it does not know wrapped in Transposes)."""
+    scale = tf.constant(np.linspace(-1.5, 1.5, 5, dtype="float32").reshape(1, 5, 1, 1))
+
+    @tf.function
+    def step(x):
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            z = tf.cast(x * scale, dtype)  # NCHW
+            y = tf_relupool.relu_max_pool2d(tf.transpose(z, [0, 2, 3, 1]), ksize, strides,
+                                            padding, keep=keep)
+            y = tf.cast(tf.transpose(y, [0, 3, 1, 2]), "float32")
+            loss = tf.reduce_sum(y * y * tf.reshape(tf.range(1.0, 6.0), [1, 5, 1, 1]))
+        return loss, tape.gradient(loss, x)
+    return step.get_concrete_function(tf.TensorSpec([batch, 5, 9, 7]))
+
+
+def adjacent_ops(graph_def, node):
+    """Ops of the nodes feeding `node` (data inputs) and of the nodes reading its output 0."""
+    by_name = {n.name: n for n in graph_def.node}
+    inputs = [by_name[i.split(":")[0]].op for i in node.input if not i.startswith("^")]
+    readers = [n.op for n in graph_def.node if any(i in (node.name, node.name + ":0")
+                                                   for i in n.input)]
+    return inputs, readers
+
+
+@settings(max_examples=12, deadline=None)
+@given(ksize=st.integers(1, 3), strides=st.integers(1, 3),
+       padding=st.sampled_from(["VALID", "SAME"]), keep=st.sampled_from(["argmax", "input"]),
+       dtype=st.sampled_from(["float32", "bfloat16", "float16", "float64"]),
+       batch=st.sampled_from([2, None]))
+def test_fused_ops_between_transposes_take_their_nchw_form(ksize, strides, padding, keep, dtype,
+                                                           batch):
+    cf = transposed_pool_step(ksize, strides, padding, keep, dtype, batch)
+    rewritten = tf_relupool.rewrite_function(cf, keep=keep)
+    gd = rewritten.graph.as_graph_def()
+    fused = [n for n in gd.node if n.op.startswith("ReluMaxPool")]
+    assert len(fused) == 2 and {n.attr["data_format"].s for n in fused} == {b"NCHW"}
+    forward = next(n for n in fused if n.op in ("ReluMaxPool", "ReluMaxPoolWithWindowArgmax"))
+    inputs, readers = adjacent_ops(gd, forward)
+    # The forward transposes carry constant perms: they go. (The gradient's carry
+    # InvertPermutation(perm) before constant folding, so a transpose is added there; inside
+    # Grappler, after constant folding, those go too: tests/test_grappler.py.)
+    assert "Transpose" not in inputs and "Transpose" not in readers, (inputs, readers)
+    x = tf.random.stateless_normal([2, 5, 9, 7], seed=[ksize, strides])
+    for got, want in zip(rewritten(x), cf(x)):
+        np.testing.assert_array_equal(got.numpy(), want.numpy())

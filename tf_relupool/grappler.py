@@ -31,7 +31,8 @@ DEVICE_TYPES = ("CPU", "GPU")
 MODE_CODES = {None: 0, "argmax": 1, "input": 2}
 STAT_NAMES = ("calls", "calls_switch_off", "graphs_rewritten", "fused_with_grad",
               "fused_forward_only", "fused_conv_relu", "not_fused", "errors", "nanos", "bytes_in",
-              "parse_nanos", "fused_through_pad", "fused_maxpool_v2")
+              "parse_nanos", "fused_through_pad", "fused_maxpool_v2", "nchw_ops",
+              "transposes_removed")
 
 logger = logging.getLogger("tf_relupool")
 _lock = threading.RLock()
@@ -171,7 +172,9 @@ def stats():
     calls: graphs TensorFlow passed to it (two per graph: Grappler's two iterations);
     calls_switch_off: of these, returned at once because the switch was off;
     graphs_rewritten; fused_with_grad / fused_forward_only: fusions applied; fused_conv_relu:
-    fusions on a remapper _FusedConv2D(BiasAdd, Relu); not_fused: ReLU + MaxPool pairs left in
+    fusions on a remapper _FusedConv2D(..., Relu) (the convolution keeps its ReLU); nchw_ops:
+    fused ops switched to NCHW between the layout optimizer's transposes, transposes_removed:
+    the Transposes this removed; not_fused: ReLU + MaxPool pairs left in
     place (last_skip says why); fused_through_pad: of the fusions, Relu -> Pad -> MaxPool;
     fused_maxpool_v2: of the fusions, on MaxPoolV2; errors: unexpected errors, the graph was
     left unchanged (last_error); nanos: time spent in the pass, parse_nanos of it parsing the GraphDef;

@@ -13,9 +13,9 @@
 //                                    ReluMaxPoolGradFromWindowArgmax(Shape(z), dy, argmax)
 //                   keep "input"  -> ReluMaxPool(z), ReluMaxPoolGrad(z, dy)
 //   remapper's fused convolution (Keras Conv2D(activation="relu") after TF's remapper):
-//                   _FusedConv2D(fused_ops=[BiasAdd, Relu]) in place of Relu(z), with gradient:
-//                   the convolution drops its Relu and produces z: fused_ops=[BiasAdd] on the
-//                   CPU, Conv2D + BiasAdd elsewhere (the GPU kernel rejects [BiasAdd] alone)
+//                   _FusedConv2D(fused_ops=[..., Relu]) in place of Relu(z), with gradient: the
+//                   convolution is left as it is and its (ReLU'd) output is the fused op's
+//                   input; relu(a) == a bit for bit, so stock's bits on every device
 //   forward only, after TF's arithmetic optimizer swapped them:
 //                   Relu(MaxPool(z))                    -> ReluMaxPool(z)
 //   MaxPoolV2 / MaxPoolGradV2 (window as constant inputs) wherever MaxPool / MaxPoolGrad is.
@@ -46,6 +46,7 @@
 
 #include <dlfcn.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cmath>
@@ -102,6 +103,8 @@ enum Stat : int {
   kParseNanos,         // of kNanos, parsing the GraphDef
   kFusedThroughPad,    // of the fusions, Relu -> Pad -> MaxPool (the Pad moved before the ReLU)
   kFusedMaxPoolV2,     // of the fusions, on a MaxPoolV2 (window from constant inputs)
+  kNchwOps,            // fused ops switched to NCHW between the layout optimizer's transposes
+  kTransposesRemoved,  // Transposes removed by those switches
   kNumStats
 };
 std::atomic<int64_t> g_stats[kNumStats];
@@ -391,7 +394,6 @@ class Rewriter {
     const std::string type = DeviceType(n.device());
     return type.empty() && n.device().empty() ? default_device_type_ : type;
   }
-  bool CpuDevice(const NodeDef& n) const { return DeviceTypeOf(n) == "CPU"; }
 
   // Whether a kernel exists for `n` on its device.
   bool KernelExists(const NodeDef& n) const {
@@ -575,8 +577,8 @@ class Rewriter {
     bool fused_conv = false;
     if (relu.op() == "_FusedConv2D") {
       const AttrValue* ops = Attr(relu, "fused_ops");
-      if (ops == nullptr || ops->list().s_size() != 2 || ops->list().s(0) != "BiasAdd" ||
-          ops->list().s(1) != "Relu")
+      const int n_ops = ops == nullptr ? 0 : ops->list().s_size();
+      if (n_ops == 0 || ops->list().s(n_ops - 1) != "Relu")
         return false;  // not a ReLU feeding the pool
       fused_conv = true;
     } else if (relu.op() != "Relu") {
@@ -691,12 +693,6 @@ class Rewriter {
     plan->shape_users = shape_users;
 
     // The replacement nodes must have kernels on their devices.
-    if (fused_conv && !CpuDevice(relu)) {
-      NodeDef conv, bias;
-      SplitFusedConv(relu, "unused_conv_name", &conv, &bias);
-      if (!KernelExists(conv) || !KernelExists(bias))
-        return Skip(what, "no Conv2D/BiasAdd kernel for device '" + relu.device() + "'");
-    }
     NodeDef fwd, bwd;
     BuildForward(*plan, &fwd);
     if (!KernelExists(fwd))
@@ -740,33 +736,6 @@ class Rewriter {
     if (!KernelExists(fwd))
       return Skip(what, "no " + fwd.op() + " kernel for device '" + fwd.device() + "'");
     return true;
-  }
-
-  // _FusedConv2D(x, filter, bias; fused_ops=[BiasAdd, Relu]) without its ReLU, off the CPU:
-  // TF's GPU _FusedConv2D kernel rejects fused_ops=[BiasAdd] alone when it runs ("Fusion is not
-  // implemented: [BiasAdd]", conv_ops_fused_impl.h), so the convolution is split back into
-  // Conv2D + BiasAdd (the BiasAdd keeps the fused node's name).
-  void SplitFusedConv(const NodeDef& f, const std::string& conv_name, NodeDef* conv,
-                      NodeDef* bias) {
-    const std::vector<std::string> in = DataInputs(f);
-    conv->set_name(conv_name);
-    conv->set_op("Conv2D");
-    conv->set_device(f.device());
-    conv->add_input(in.size() > 0 ? in[0] : "");
-    conv->add_input(in.size() > 1 ? in[1] : "");
-    for (const auto& c : ControlInputs(f)) conv->add_input(c);
-    for (const char* name : {"T", "strides", "use_cudnn_on_gpu", "padding", "explicit_paddings",
-                             "data_format", "dilations"}) {
-      const AttrValue* a = Attr(f, name);
-      if (a != nullptr) (*conv->mutable_attr())[name] = *a;
-    }
-    bias->set_name(f.name());
-    bias->set_op("BiasAdd");
-    bias->set_device(f.device());
-    bias->add_input(conv_name);
-    bias->add_input(in.size() > 2 ? in[2] : "");
-    (*bias->mutable_attr())["T"] = *Attr(f, "T");
-    (*bias->mutable_attr())["data_format"].set_s(StringAttr(f, "data_format", "NHWC"));
   }
 
   void SetPoolAttrs(const Plan& p, NodeDef* n) {
@@ -865,18 +834,11 @@ class Rewriter {
     const std::string relu_text = relu.op() + " '" + relu.name() + "'";
     const std::string pad_text =
         p.pad >= 0 ? " + " + node(p.pad).op() + " '" + node(p.pad).name() + "'" : "";
-    if (p.fused_conv && CpuDevice(relu)) {
-      // The convolution now produces z: drop its ReLU (the CPU kernels, Eigen and oneDNN, run
-      // fused_ops=[BiasAdd]; the values before the ReLU are the same bits).
-      NodeDef* conv = g_->mutable_node(p.relu);
-      auto* ops = (*conv->mutable_attr())["fused_ops"].mutable_list()->mutable_s();
-      ops->RemoveLast();
-      stats[kFusedConvRelu]++;
-    } else if (p.fused_conv) {
-      NodeDef conv, bias;
-      SplitFusedConv(relu, UniqueName(relu.name() + "/conv"), &conv, &bias);
-      added_.push_back(std::move(conv));
-      *g_->mutable_node(p.relu) = std::move(bias);
+    if (p.fused_conv) {
+      // The convolution keeps its ReLU and stays the one kernel stock runs (cuDNN's
+      // conv + bias + ReLU on a GPU): its output a = relu(conv + bias) is the fused op's input.
+      // tf_relupool's ReLU keeps every value that is not < 0 bit for bit, so relu(a) == a and
+      // the fused op computes stock's max_pool(a) and ReluGrad(MaxPoolGrad(a, .), a) exactly.
       stats[kFusedConvRelu]++;
     } else if (p.pad >= 0) {
       // The Pad now pads z: pad(z) is what the fused op applies ReLU + pooling to.
@@ -980,6 +942,378 @@ class Rewriter {
   std::vector<NodeDef> added_;
 };
 
+// ---- Layout: the fused ops' own NCHW form instead of TF's layout-optimizer transposes ----
+//
+// On a GPU, TensorFlow's layout optimizer turns NHWC convolutions and pools into NCHW and wraps
+// every op it does not know, ours included, in Transposes:
+//   Conv2D(NCHW) -> Transpose(0,2,3,1) -> ReluMaxPool*(NHWC) -> Transpose(0,3,1,2) -> ...
+// Each Transpose writes a full copy of its tensor, so the NHWC fused ops of a model built with
+// tf_relupool's layers (or rewrite_model) cost more transient memory than stock pooling. The
+// fused ops have an NCHW form: an op whose activation input is such a Transpose is switched to
+// NCHW, reads the Transpose's input, and its outputs' Transposes back to NCHW disappear. The
+// fused forward and the ops reading its window_argmax codes switch together (the codes follow
+// the layout). Any input or consumer that is not such a Transpose gets one (exact: transposes
+// move values); a Transpose left without consumers is removed.
+class TransposeFolder {
+ public:
+  TransposeFolder(GraphDef* graph, const std::unordered_set<std::string>* preserve,
+                  std::vector<std::string>* log)
+      : g_(graph), preserve_(preserve), log_(log) {}
+
+  int64_t removed_transposes = 0;
+
+  // Number of fused ops switched to NCHW.
+  int Run() {
+    std::vector<int> starts;
+    for (int i = 0; i < g_->node_size(); ++i) {
+      const NodeDef& n = g_->node(i);
+      if (IsFusedOp(n) && StringAttr(n, "data_format", "NHWC") == "NHWC") starts.push_back(i);
+    }
+    if (starts.empty()) return 0;
+    Index();
+    bool any_start = false;
+    for (int i : starts) any_start = any_start || FromNchw(ActivationInput(node(i))) != "";
+    if (!any_start) return 0;
+    std::unordered_set<int> done;
+    int converted = 0;
+    for (int i : starts) {
+      if (done.count(i)) continue;
+      // A unit: a forward with its code readers, or a reader alone (converted with its forward).
+      std::vector<int> unit;
+      if (!Unit(i, &unit)) continue;
+      for (int u : unit) done.insert(u);
+      bool worth = false;
+      for (int u : unit) worth = worth || FromNchw(ActivationInput(node(u))) != "";
+      if (!worth) continue;
+      std::string why;
+      for (int u : unit)
+        if (Preserved(node(u).name())) why = "'" + node(u).name() + "' must be preserved";
+      if (!why.empty()) {
+        Log(node(i).op() + " '" + node(i).name() + "' kept in NHWC: " + why);
+        continue;
+      }
+      unit_.clear();
+      for (int u : unit) unit_.insert(node(u).name());
+      for (int u : unit) Convert(u);
+      converted += static_cast<int>(unit.size());
+    }
+    if (converted == 0) return 0;
+    Finish();
+    return converted;
+  }
+
+ private:
+  static bool IsFusedOp(const NodeDef& n) {
+    return n.op() == "ReluMaxPool" || n.op() == "ReluMaxPoolWithWindowArgmax" ||
+           n.op() == "ReluMaxPoolGrad" || n.op() == "ReluMaxPoolGradFromWindowArgmax" ||
+           n.op() == "ReluMaxPoolGradGradFromWindowArgmax";
+  }
+  // Input positions holding 4-D activations (NHWC now), the window_argmax input, the shape input.
+  static std::vector<int> ActivationInputs(const NodeDef& n) {
+    if (n.op() == "ReluMaxPoolGrad") return {0, 1};
+    if (n.op() == "ReluMaxPoolGradFromWindowArgmax") return {1};
+    return {0};  // ReluMaxPool, ReluMaxPoolWithWindowArgmax: input; GradGrad: grad
+  }
+  static int ArgmaxInput(const NodeDef& n) {
+    if (n.op() == "ReluMaxPoolGradFromWindowArgmax") return 2;
+    if (n.op() == "ReluMaxPoolGradGradFromWindowArgmax") return 1;
+    return -1;
+  }
+  // The input that decides whether converting pays: the pre-ReLU input (forward, keep=input
+  // gradient) or the incoming gradient (gradient from codes, gradient of the gradient).
+  static std::string ActivationInput(const NodeDef& n) {
+    int k = 0, want = ActivationInputs(n)[0];
+    for (const auto& in : n.input()) {
+      if (IsControl(in)) continue;
+      if (k++ == want) return in;
+    }
+    return "";
+  }
+
+  const NodeDef& node(int i) const { return g_->node(i); }
+  int Find(const std::string& name) const {
+    auto it = index_.find(name);
+    return it == index_.end() ? -1 : it->second;
+  }
+  bool Preserved(const std::string& name) const {
+    return preserve_ != nullptr && preserve_->count(name);
+  }
+  void Log(const std::string& text) {
+    if (log_ != nullptr) log_->push_back(text);
+    if (g_verbose.load()) LOG(INFO) << "tf_relupool grappler: " << text;
+  }
+
+  void Index() {
+    index_.reserve(g_->node_size());
+    for (int i = 0; i < g_->node_size(); ++i) index_[g_->node(i).name()] = i;
+    for (int i = 0; i < g_->node_size(); ++i) {
+      const NodeDef& n = g_->node(i);
+      for (int pos = 0; pos < n.input_size(); ++pos) {
+        const Input in = ParseInput(n.input(pos));
+        consumers_[in.node].push_back({i, pos});
+      }
+    }
+  }
+
+  // Whether the 1-D constant `input` holds exactly `perm`.
+  bool IsPerm(const std::string& input, const std::vector<int64_t>& perm) const {
+    const Input in = ParseInput(input);
+    const int i = Find(in.node);
+    if (i < 0 || in.index != 0 || node(i).op() != "Const") return false;
+    const AttrValue* v = Attr(node(i), "value");
+    tensorflow::Tensor t;
+    if (v == nullptr || !t.FromProto(v->tensor()) || t.dims() != 1 || t.NumElements() != 4)
+      return false;
+    for (int k = 0; k < 4; ++k) {
+      const int64_t x = t.dtype() == tensorflow::DT_INT32   ? t.flat<int32_t>()(k)
+                        : t.dtype() == tensorflow::DT_INT64 ? t.flat<int64_t>()(k)
+                                                            : -1;
+      if (x != perm[k]) return false;
+    }
+    return true;
+  }
+  bool IsTranspose(const NodeDef& n, const std::vector<int64_t>& perm) const {
+    const std::vector<std::string> in = DataInputs(n);
+    return n.op() == "Transpose" && in.size() == 2 && IsPerm(in[1], perm);
+  }
+  // If `input` is Transpose(x, [0, 2, 3, 1]) (NCHW -> NHWC), x; else "".
+  std::string FromNchw(const std::string& input) const {
+    if (input.empty() || IsControl(input)) return "";
+    const Input in = ParseInput(input);
+    const int i = Find(in.node);
+    if (i < 0 || in.index != 0 || !IsTranspose(node(i), {0, 2, 3, 1})) return "";
+    return DataInputs(node(i))[0];
+  }
+
+  // The forward and every op reading its codes (all must be ours), starting from any of them.
+  bool Unit(int i, std::vector<int>* unit) {
+    int fwd = i;
+    const int arg_pos = ArgmaxInput(node(i));
+    if (arg_pos >= 0) {
+      const Input in = ParseInput(node(i).input(arg_pos));
+      fwd = Find(in.node);
+      if (fwd < 0 || node(fwd).op() != "ReluMaxPoolWithWindowArgmax") return false;
+    }
+    unit->push_back(fwd);
+    if (node(fwd).op() != "ReluMaxPoolWithWindowArgmax") return true;
+    if (StringAttr(node(fwd), "data_format", "NHWC") != "NHWC") return false;
+    for (const auto& c : consumers_[node(fwd).name()]) {
+      const NodeDef& n = node(c.first);
+      const Input in = ParseInput(n.input(c.second));
+      if (in.index != 1) continue;  // output 0, or a control edge
+      if (ArgmaxInput(n) != c.second) continue;  // not ours (e.g. a ZerosLike): gets NHWC codes
+      if (StringAttr(n, "data_format", "NHWC") != "NHWC") {
+        Log(node(fwd).op() + " '" + node(fwd).name() + "' kept in NHWC: its codes feed '" +
+            n.name() + "' in NCHW");
+        return false;
+      }
+      unit->push_back(c.first);
+    }
+    return true;
+  }
+
+  std::string NewName(const std::string& base) {
+    std::string name = base;
+    for (int i = 1; index_.count(name) || added_names_.count(name); ++i)
+      name = base + "_" + std::to_string(i);
+    added_names_.insert(name);
+    return name;
+  }
+  std::string PermConst(const std::string& base, const std::string& device,
+                        const std::vector<int32_t>& perm) {
+    NodeDef c;
+    c.set_name(NewName(base));
+    c.set_op("Const");
+    c.set_device(device);
+    (*c.mutable_attr())["dtype"].set_type(tensorflow::DT_INT32);
+    tensorflow::Tensor t(tensorflow::DT_INT32, tensorflow::TensorShape({4}));
+    for (int k = 0; k < 4; ++k) t.flat<int32_t>()(k) = perm[k];
+    t.AsProtoTensorContent((*c.mutable_attr())["value"].mutable_tensor());
+    added_.push_back(c);
+    return c.name();
+  }
+  std::string AddTranspose(const std::string& base, const std::string& x, tensorflow::DataType t,
+                           const std::string& device, const std::vector<int32_t>& perm) {
+    NodeDef n;
+    n.set_name(NewName(base));
+    n.set_op("Transpose");
+    n.set_device(device);
+    n.add_input(x);
+    n.add_input(PermConst(n.name() + "/perm", device, perm));
+    (*n.mutable_attr())["T"].set_type(t);
+    (*n.mutable_attr())["Tperm"].set_type(tensorflow::DT_INT32);
+    added_.push_back(n);
+    return n.name();
+  }
+
+  // The shape input of a gradient from codes, in NCHW order.
+  std::string ShapeToNchw(const NodeDef& op, const std::string& input) {
+    const Input in = ParseInput(input);
+    const int i = Find(in.node);
+    if (i >= 0 && in.index == 0 && node(i).op() == "Shape") {
+      const std::string x = FromNchw(DataInputs(node(i))[0]);
+      if (!x.empty()) {  // Shape(Transpose(x)) -> Shape(x)
+        NodeDef s = node(i);
+        s.set_name(NewName(node(i).name() + "/nchw"));
+        s.set_device(op.device());
+        s.clear_input();
+        s.add_input(x);
+        added_.push_back(s);
+        touched_.push_back(node(i).name());  // the old Shape, and through it the Transpose
+        return s.name();
+      }
+    }
+    NodeDef p;  // a permutation of the 4 entries, on any device (host memory on a GPU)
+    p.set_name(NewName(op.name() + "/input_shape_nchw"));
+    p.set_op("DataFormatVecPermute");
+    p.set_device(op.device());
+    p.add_input(input);
+    (*p.mutable_attr())["T"] = *Attr(op, "Tshape");
+    (*p.mutable_attr())["src_format"].set_s("NHWC");
+    (*p.mutable_attr())["dst_format"].set_s("NCHW");
+    added_.push_back(p);
+    return p.name();
+  }
+
+  void Convert(int i) {
+    NodeDef* n = g_->mutable_node(i);
+    const tensorflow::DataType t = TypeAttr(*n, "T");
+    const std::vector<int> acts = ActivationInputs(*n);
+    int k = 0;
+    for (int pos = 0; pos < n->input_size(); ++pos) {
+      if (IsControl(n->input(pos))) continue;
+      const int data_pos = k++;
+      const std::string in = n->input(pos);
+      if (std::find(acts.begin(), acts.end(), data_pos) != acts.end()) {
+        const std::string x = FromNchw(in);
+        if (!x.empty()) {
+          n->set_input(pos, x);
+          touched_.push_back(in);
+        } else {
+          n->set_input(pos, AddTranspose(n->name() + "/" + std::to_string(data_pos) + "_to_nchw",
+                                         in, t, n->device(), {0, 3, 1, 2}));
+        }
+      } else if (n->op() == "ReluMaxPoolGradFromWindowArgmax" && data_pos == 0) {
+        n->set_input(pos, ShapeToNchw(*n, in));
+      }
+    }
+    // Attributes: NHWC [1, h, w, 1] -> NCHW [1, 1, h, w].
+    auto* attr = n->mutable_attr();
+    for (const char* name : {"ksize", "strides"}) {
+      auto* list = (*attr)[name].mutable_list();
+      if (list->i_size() != 4) continue;
+      const int64_t v[4] = {list->i(0), list->i(1), list->i(2), list->i(3)};
+      list->set_i(1, v[3]);
+      list->set_i(2, v[1]);
+      list->set_i(3, v[2]);
+    }
+    (*attr)["data_format"].set_s("NCHW");
+    // Output 0 (4-D in every op): Transposes back to NCHW go away; other readers get one NHWC
+    // copy.
+    std::vector<std::pair<int, int>> nhwc_readers;
+    for (const auto& c : consumers_[n->name()]) {
+      const NodeDef& user = node(c.first);
+      const Input in = ParseInput(user.input(c.second));
+      if (in.node != n->name() || in.index != 0) continue;  // control, codes, or rewired
+      if (c.second == 0 && IsTranspose(user, {0, 3, 1, 2}) && !Preserved(user.name())) {
+        removed_[user.name()] = n->name();
+        removed_transposes++;
+        touched_.push_back(DataInputs(user)[1]);  // its perm, when nothing else reads it
+      } else {
+        nhwc_readers.push_back(c);
+      }
+    }
+    // Codes read by an op that is not one of ours (TF's gradient machinery adds a ZerosLike):
+    // an NHWC copy of them.
+    std::vector<std::pair<int, int>> code_readers;
+    for (const auto& c : consumers_[n->name()]) {
+      const Input in = ParseInput(node(c.first).input(c.second));
+      if (in.node == n->name() && in.index == 1 && !unit_.count(node(c.first).name()))
+        code_readers.push_back(c);
+    }
+    if (!code_readers.empty()) {
+      const std::string back = AddTranspose(n->name() + "/window_argmax_nhwc", n->name() + ":1",
+                                            TypeAttr(*n, "Targmax"), n->device(), {0, 2, 3, 1});
+      for (const auto& c : code_readers) g_->mutable_node(c.first)->set_input(c.second, back);
+    }
+    // Nodes added by earlier conversions read the NHWC output too (a Transpose to NCHW of it).
+    std::vector<std::pair<size_t, int>> added_readers;
+    for (size_t a = 0; a < added_.size(); ++a)
+      for (int pos = 0; pos < added_[a].input_size(); ++pos) {
+        const Input in = ParseInput(added_[a].input(pos));
+        if (in.node == n->name() && in.index == 0) added_readers.push_back({a, pos});
+      }
+    if (!nhwc_readers.empty() || !added_readers.empty()) {
+      const std::string back =
+          AddTranspose(n->name() + "/to_nhwc", n->name(), t, n->device(), {0, 2, 3, 1});
+      for (const auto& c : nhwc_readers) g_->mutable_node(c.first)->set_input(c.second, back);
+      for (const auto& c : added_readers) added_[c.first].set_input(c.second, back);
+    }
+    Log(n->op() + " '" + n->name() + "' in NCHW between the layout optimizer's transposes");
+  }
+
+  // Rewires readers of removed Transposes to the fused op, drops the Transposes (and the Shape
+  // and Const nodes feeding only them) that no node reads any more, appends new nodes.
+  void Finish() {
+    auto* nodes = g_->mutable_node();
+    auto rewire = [&](NodeDef* n) {
+      for (int pos = 0; pos < n->input_size(); ++pos) {
+        const Input in = ParseInput(n->input(pos));
+        auto it = removed_.find(in.node);
+        if (it != removed_.end()) n->set_input(pos, in.index < 0 ? "^" + it->second : it->second);
+      }
+    };
+    for (int r = 0; r < nodes->size(); ++r) rewire(nodes->Mutable(r));
+    for (NodeDef& n : added_) rewire(&n);
+    for (NodeDef& n : added_) *g_->add_node() = std::move(n);
+    added_.clear();
+    // Readers per node name, then unread candidates removed until none is left.
+    std::unordered_map<std::string, int> readers;
+    for (const NodeDef& n : g_->node())
+      if (!removed_.count(n.name()))
+        for (const auto& in : n.input()) readers[ParseInput(in).node]++;
+    std::vector<std::string> candidates;
+    for (const auto& in : touched_) candidates.push_back(ParseInput(in).node);
+    std::unordered_set<std::string> dropped;
+    while (!candidates.empty()) {
+      const std::string name = candidates.back();
+      candidates.pop_back();
+      const int i = Find(name);
+      if (i < 0 || dropped.count(name) || removed_.count(name) || readers[name] > 0 ||
+          Preserved(name))
+        continue;
+      const std::string& op = node(i).op();
+      if (op != "Transpose" && op != "Shape" && op != "Const") continue;
+      dropped.insert(name);
+      if (op == "Transpose") removed_transposes++;
+      for (const auto& in : node(i).input()) {
+        const std::string src = ParseInput(in).node;
+        readers[src]--;
+        candidates.push_back(src);
+      }
+    }
+    int kept = 0;
+    for (int r = 0; r < nodes->size(); ++r) {
+      const std::string& name = nodes->Get(r).name();
+      if (removed_.count(name) || dropped.count(name)) continue;
+      if (kept != r) nodes->SwapElements(kept, r);
+      ++kept;
+    }
+    nodes->DeleteSubrange(kept, nodes->size() - kept);
+  }
+
+  GraphDef* g_;
+  const std::unordered_set<std::string>* preserve_;
+  std::vector<std::string>* log_;
+  std::unordered_map<std::string, int> index_;
+  std::unordered_map<std::string, std::vector<std::pair<int, int>>> consumers_;  // all inputs
+  std::unordered_map<std::string, std::string> removed_;  // Transpose -> the fused op
+  std::vector<std::string> touched_;  // inputs (Transposes) the fused ops stopped reading
+  std::unordered_set<std::string> unit_;  // names of the ops being converted together
+  std::unordered_set<std::string> added_names_;
+  std::vector<NodeDef> added_;
+};
+
 // Every input of every node names a node of the graph ("" when so, else the first problem).
 std::string DanglingInput(const GraphDef& graph) {
   std::unordered_set<std::string_view> names;
@@ -1048,8 +1382,14 @@ void Optimize(void*, const TF_Buffer* graph_buf, const TF_GrapplerItem* item,
         const bool have_preserve = NodesToPreserve(item, &preserve);
         if (!have_preserve) RecordError("TF_GetNodesToPreserveList is not available");
         Rewriter rewriter(&graph, mode, &preserve);
-        int fused = have_preserve ? rewriter.Run() : 0;
+        TransposeFolder folder(&graph, &preserve, nullptr);
+        int fused = 0, nchw = 0;
+        if (have_preserve) {
+          fused = rewriter.Run();
+          nchw = folder.Run();
+        }
         g_stats[kNotFused] += rewriter.stats[kNotFused];
+        fused += nchw;
         if (fused > 0 && fault == 4) graph.mutable_node(0)->add_input("tf_relupool_no_such_node");
         const std::string dangling = fused > 0 && fault != 4 ? DanglingInput(graph) : "";
         if (!dangling.empty()) {
@@ -1070,6 +1410,8 @@ void Optimize(void*, const TF_Buffer* graph_buf, const TF_GrapplerItem* item,
             for (Stat k : {kFusedWithGrad, kFusedForwardOnly, kFusedConvRelu, kFusedThroughPad,
                            kFusedMaxPoolV2})
               g_stats[k] += rewriter.stats[k];
+            g_stats[kNchwOps] += nchw;
+            g_stats[kTransposesRemoved] += folder.removed_transposes;
             TF_SetStatus(status, TF_OK, "");
           }
         }
@@ -1088,7 +1430,8 @@ void Optimize(void*, const TF_Buffer* graph_buf, const TF_GrapplerItem* item,
 
 // The pass over a serialized GraphDef outside Grappler (tf_relupool.rewrite_graph): nodes with
 // no device are taken as CPU nodes, `preserve` names nodes to leave alone. Returns the number
-// of fusions and the rewritten graph in *out (only when > 0), or -1 and the error in *log.
+// of changes (fusions, and fused ops switched to NCHW between transposes) and the rewritten
+// graph in *out (only when > 0), or -1 and the error in *log.
 int RewriteOffline(const void* data, size_t size, int mode, const char* preserve_lines,
                    std::string* out, std::string* log) {
   if (mode != kArgmax && mode != kInput) {
@@ -1116,7 +1459,8 @@ int RewriteOffline(const void* data, size_t size, int mode, const char* preserve
     }
   }
   std::vector<std::string> lines;
-  const int fused = Rewriter(&graph, mode, &preserve, "CPU", &lines).Run();
+  int fused = Rewriter(&graph, mode, &preserve, "CPU", &lines).Run();
+  fused += TransposeFolder(&graph, &preserve, &lines).Run();
   for (const auto& l : lines) *log += l + "\n";
   if (fused > 0) {
     const std::string dangling = DanglingInput(graph);
@@ -1243,8 +1587,8 @@ __attribute__((visibility("default"))) int tf_relupool_grappler_text(int which, 
 
 // The pass over a serialized GraphDef, outside Grappler: what tf_relupool.rewrite_graph runs.
 // mode 1 keeps argmax codes, 2 the input; preserve: '\n'-separated node names to leave alone
-// (may be null). Returns the number of fusions, or -1 on an error. *out (the rewritten GraphDef,
-// only when fusions > 0; else null) and *log (one line per fusion or refusal, or the error) are
+// (may be null). Returns the number of changes (fusions, NCHW switches), or -1 on an error.
+// *out (the rewritten GraphDef, only when changes > 0; else null) and *log (one line per fusion or refusal, or the error) are
 // malloc'd: free them with tf_relupool_free. Exceptions do not cross this boundary.
 __attribute__((visibility("default"))) int tf_relupool_rewrite_graph(
     const void* graph, size_t size, int mode, const char* preserve, char** out, size_t* out_size,
