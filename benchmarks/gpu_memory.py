@@ -5,6 +5,9 @@ For each model of examples/models.py and each variant
   stock         the model as written: Conv2D(activation="relu") + MaxPooling2D;
   fused argmax  tf_relupool.rewrite_model(model, keep="argmax"): 1-byte argmax codes kept;
   fused input   tf_relupool.rewrite_model(model, keep="input"): the pre-ReLU input kept;
+  switch        the stock model under tf_relupool.enable_recompute() alone: the Grappler pass
+                fuses the graph TensorFlow optimizes (keep="argmax"; turned on around this
+                variant's steps only, so the other variants' functions stay stock);
 
 trained with Keras (compile(SGD, jit_compile=False), train_on_batch on synthetic fp32 data), it
 measures, under each Grappler configuration asked for:
@@ -63,8 +66,10 @@ if EXAMPLES not in sys.path:
 import devices  # noqa: E402  (examples/devices.py; no TensorFlow import)
 
 MODELS = ("simple", "vgg", "resnet")  # examples/models.py
-VARIANTS = {"stock": None, "argmax": "argmax", "input": "input"}  # CLI name -> rewrite keep
-VARIANT_LABELS = {"stock": "stock", "argmax": "fused argmax", "input": "fused input"}
+VARIANTS = {"stock": None, "argmax": "argmax", "input": "input", "switch": None}  # -> rewrite keep
+VARIANT_LABELS = {"stock": "stock", "argmax": "fused argmax", "input": "fused input",
+                  "switch": "stock + enable_recompute()"}
+SWITCHED = {"switch": "argmax"}  # variants run with the switch on (Grappler pass), and its keep
 CONFIG_ITEMS = ("layout-off", "remapper-off", "workspace-0")
 MIB = 2.0 ** 20
 # Messages of errors that are out-of-memory in disguise (cuDNN or cuBLAS failing to allocate).
@@ -233,8 +238,16 @@ def synthetic_batch(tf, batch, seed=0):
     return x, y
 
 
-def _step(model, x, y):
-    return float(model.train_on_batch(x, y))  # numpy conversion: waits for the step
+def _step(model, x, y, variant="stock"):
+    """One training step; waits for it (numpy conversion). The switch is on during the steps of
+    a SWITCHED variant only: the Grappler pass reads it when TensorFlow optimizes a function
+    (its first call), so the other variants' functions stay stock."""
+    keep = SWITCHED.get(variant)
+    if keep is None:
+        return float(model.train_on_batch(x, y))
+    import tf_relupool
+    with tf_relupool.recompute(keep):
+        return float(model.train_on_batch(x, y))
 
 
 def _library():
@@ -278,11 +291,11 @@ def worker_measure(args):
         x, y = synthetic_batch(tf, batch)
         for v, model in built.items():
             for _ in range(2):
-                _step(model, x, y)
+                _step(model, x, y, v)
             values = []
             for _ in range(args.reps):
                 meter.begin()
-                _step(model, x, y)
+                _step(model, x, y, v)
                 values.append(meter.end())
             peaks[v][str(batch)] = sorted(values)
         warmed.add(batch)
@@ -291,13 +304,13 @@ def worker_measure(args):
     if args.rounds:
         x, y = synthetic_batch(tf, args.time_batch)
         if args.time_batch not in warmed:
-            for model in built.values():
+            for v, model in built.items():
                 for _ in range(2):
-                    _step(model, x, y)
+                    _step(model, x, y, v)
         for _ in range(args.rounds):
             for v, model in built.items():  # interleaved: drifts hit every variant alike
                 start = time.perf_counter()
-                _step(model, x, y)
+                _step(model, x, y, v)
                 times[v].append(time.perf_counter() - start)
     print("RESULT " + json.dumps({
         "device": dev.as_dict(), "peaks": peaks, "times": times,
@@ -318,7 +331,7 @@ def worker_trial(args):
         step_peaks, total_peaks = [], []
         for _ in range(args.trial_steps):
             meter.begin()
-            _step(model, x, y)
+            _step(model, x, y, args.variant)
             step_peaks.append(meter.end())
             total_peaks.append(meter.total_peak())
         if meter.available:

@@ -1,5 +1,7 @@
 """GPU facts for the Grappler pass (run on the GPU machine): registration, what the pass sees
-after the layout optimizer, and whether XLA-compiled functions reach it.
+after the layout optimizer, whether XLA-compiled functions reach it, and for the Keras models of
+examples/models.py (fp32 and mixed_bfloat16): the executed graph's fused ops and formats, the
+Transposes next to them, and whether training equals stock's bit for bit.
 
     python benchmarks/grappler_gpu.py
 """
@@ -82,5 +84,92 @@ def main():
                                   "last_skip")})
 
 
+# ---- Keras models of examples/models.py on the GPU: what the executed graph holds ----
+def _graph_facts(nodes):
+    """Fused ops (op/format), stock pooling left, Transposes next to a fused op."""
+    by_name = {n.name: n for n in nodes}
+    readers = {}
+    for n in nodes:
+        for i in n.input:
+            readers.setdefault(i.lstrip("^").split(":")[0] + ("" if i.startswith("^") else
+                               ":" + (i.split(":")[1] if ":" in i else "0")), []).append(n)
+    facts = {"fused": {}, "stock_pools": 0, "transposes": 0, "transposes_next_to_pools": 0}
+    for n in nodes:
+        if n.op == "Transpose":
+            facts["transposes"] += 1
+        stock = "MaxPool" in n.op and not n.op.startswith("ReluMaxPool")  # _Mkl* names too
+        facts["stock_pools"] += stock
+        if not (stock or n.op.startswith("ReluMaxPool")):
+            continue
+        if not stock:
+            key = f"{n.op}/{n.attr['data_format'].s.decode()}"
+            facts["fused"][key] = facts["fused"].get(key, 0) + 1
+        # Transposes feeding a pooling op (fused or stock) or reading its output 0.
+        near = [by_name[i.split(":")[0]] for i in n.input
+                if not i.startswith("^") and i.split(":")[0] in by_name]
+        near += readers.get(n.name + ":0", [])
+        facts["transposes_next_to_pools"] += sum(m.op == "Transpose" for m in near)
+    return facts
+
+
+def models_section(model_names=("simple", "vgg"), policies=("float32", "mixed_bfloat16"),
+                   batch=64, steps=3):
+    """Each model trained `steps` SGD steps from the same weights: stock (switch off), stock
+    under enable_recompute() (the pass), and rewrite_model (the explicit API), default Grappler,
+    with op determinism (stock GPU training is not bitwise reproducible without it). Prints the
+    executed graph's facts and whether the losses and weights equal stock's bitwise."""
+    import hashlib
+    tf.config.experimental.enable_op_determinism()
+    import sys
+    import keras
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                    "examples"))
+    import models
+    x = tf.random.stateless_uniform((batch, 32, 32, 3), seed=[0, 1])
+    y = tf.random.stateless_uniform((batch,), seed=[2, 3], maxval=10, dtype=tf.int32)
+    for policy in policies:
+        keras.mixed_precision.set_global_policy(policy)
+        for name in model_names:
+            runs = {}
+            for variant in ("stock", "switch", "explicit"):
+                keras.utils.set_random_seed(0)
+                m = models.build(name)
+                if variant == "explicit":
+                    m = tf_relupool.rewrite_model(m, keep="argmax")
+                m.compile(keras.optimizers.SGD(0.01),
+                          keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                          jit_compile=False)
+                if variant == "switch":
+                    tf_relupool.enable_recompute("argmax")
+                else:
+                    tf_relupool.disable_recompute()
+                grappler.reset_stats()
+                ctx = context.context()
+                ctx.enable_graph_collection()
+                try:
+                    losses = [float(m.train_on_batch(x, y))]
+                    meta = ctx.export_run_metadata()
+                finally:
+                    ctx.disable_graph_collection()
+                losses += [float(m.train_on_batch(x, y)) for _ in range(steps - 1)]
+                tf_relupool.disable_recompute()
+                nodes = [n for fg in meta.function_graphs for g in fg.partition_graphs
+                         for n in g.node]
+                digest = hashlib.sha256(b"".join(w.tobytes() for w in m.get_weights()))
+                st = grappler.stats()
+                runs[variant] = dict(losses=losses, weights=digest.hexdigest()[:16],
+                                     graph=_graph_facts(nodes),
+                                     stats={k: st[k] for k in ("fused_with_grad",
+                                                                "fused_conv_relu", "nchw_ops",
+                                                                "transposes_removed", "errors")})
+            for variant in ("switch", "explicit"):
+                r = runs[variant]
+                r["bitwise_vs_stock"] = (r["losses"] == runs["stock"]["losses"] and
+                                         r["weights"] == runs["stock"]["weights"])
+            print(f"models {name} {policy}:", json.dumps(runs))
+    keras.mixed_precision.set_global_policy("float32")
+
+
 if __name__ == "__main__":
     main()
+    models_section()

@@ -6,6 +6,7 @@
 #   bench    benchmarks/bench_ops.py --device gpu: op speed vs stock -> bench_gpu.md
 #   memory   benchmarks/memory_report.py on the GPU (MEMORY_ARGS)   -> gpu_memory.md
 #   grappler benchmarks/grappler_gpu.py: the pass on the GPU       -> grappler_gpu.txt
+#   order    benchmarks/mixed_precision_order.py (ORDER_ARGS)      -> mixed_precision_order.txt
 #   harness  make gpu-check (TensorFlow-free kernel checks + table)  -> gpu_check.txt
 #   sanitize make gpu-sanitize (compute-sanitizer, small sizes)     -> gpu_sanitize.txt
 # Run from the project root with .tfgpu/common and .tfgpu/pkg carried.
@@ -32,9 +33,13 @@ for step in ${STEPS:-test bench}; do
         > "$OUT/gpu_memory.txt" 2>&1 || rc=1
       tail -40 "$OUT/gpu_memory.txt" ;;
     grappler)
-      (cd /tmp && timeout ${GRAPPLER_TIMEOUT:-120} python3 "$ROOT/benchmarks/grappler_gpu.py") \
+      (cd /tmp && timeout ${GRAPPLER_TIMEOUT:-300} python3 "$ROOT/benchmarks/grappler_gpu.py") \
         > "$OUT/grappler_gpu.txt" 2>&1 || rc=1
       tail -30 "$OUT/grappler_gpu.txt" ;;
+    order)
+      (cd /tmp && timeout ${ORDER_TIMEOUT:-300} python3 "$ROOT/benchmarks/mixed_precision_order.py" $ORDER_ARGS) \
+        > "$OUT/mixed_precision_order.txt" 2>&1 || rc=1
+      tail -20 "$OUT/mixed_precision_order.txt" ;;
     harness)
       timeout ${HARNESS_TIMEOUT:-400} make --no-print-directory gpu-check GPU_ARCH="-gencode arch=compute_90,code=sm_90" \
         GPU_CHECK_ARGS="$HARNESS_ARGS" > "$OUT/gpu_check.txt" 2>&1 || rc=1

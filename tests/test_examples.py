@@ -310,9 +310,11 @@ def test_gpu_report_trial_subprocess_on_cpu():
 
 def test_gpu_report_end_to_end_on_cpu(tmp_path):
     """gpu_memory.py's driver and measuring worker, run on the CPU: the table names the CPU,
-    the fused argmax peak is below stock's, the JSON holds every measured step."""
+    the fused argmax peak is below stock's, and so is the stock model's under the switch alone
+    (the Grappler pass), the JSON holds every measured step."""
     out = tmp_path / "report.md"
-    p = run(GPU_REPORT, "--device", "cpu", "--models", "simple", "--variants", "stock,argmax",
+    p = run(GPU_REPORT, "--device", "cpu", "--models", "simple", "--variants",
+            "stock,argmax,switch",
             "--batch-sizes", "32", "--time-batch", "32", "--reps", "2", "--rounds", "1",
             "--grappler", "default", "--no-search", "--out", str(out), timeout=600)
     assert p.returncode == 0, p.stderr[-4000:]
@@ -324,6 +326,8 @@ def test_gpu_report_end_to_end_on_cpu(tmp_path):
     peaks = r["measured"]["simple"]["default"]["peaks"]
     assert len(peaks["stock"]["32"]) == 2
     assert max(peaks["argmax"]["32"]) < min(peaks["stock"]["32"]), peaks
+    assert max(peaks["switch"]["32"]) < min(peaks["stock"]["32"]), peaks
+    assert "| simple | default | stock + enable_recompute() |" in md
     assert r["meta"]["device"]["kind"] == "cpu"
 
 

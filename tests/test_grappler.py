@@ -12,6 +12,11 @@ import sys
 import textwrap
 
 import pytest
+import tensorflow as tf
+
+# On a GPU TF's layout optimizer turns MaxPoolV2's window inputs into DataFormatVecPermute nodes,
+# constant-folded only in Grappler's second iteration: the pass refuses once, then fuses.
+GPU = bool(tf.config.list_physical_devices("GPU"))
 
 PRELUDE = textwrap.dedent("""
     import json, os
@@ -21,6 +26,11 @@ PRELUDE = textwrap.dedent("""
     import tf_relupool
     from tf_relupool import grappler
     tf.config.threading.set_inter_op_parallelism_threads(1)
+    if tf.config.list_physical_devices("GPU"):
+        # Stock GPU training is not bitwise reproducible from run to run (cuDNN autotuning,
+        # atomics: benchmarks/mixed_precision_order.py, README), so comparisons of the switch
+        # off and on are only meaningful with op determinism.
+        tf.config.experimental.enable_op_determinism()
 
     def train_step_fn(weights):
         def step(x):
@@ -218,7 +228,8 @@ def test_keras_conv_relu_fit_is_bitwise_equal_to_switch_off():
 def test_fused_ops_between_transposes_take_their_nchw_form(keep):
     # The graph the layout optimizer makes on a GPU of a model built with tf_relupool's layers:
     # NCHW tensors, the NHWC fused ops between Transposes. Written by hand here (the CPU has no
-    # layout optimizer at work); the pass must leave no Transpose next to a fused op.
+    # layout optimizer at work); the pass must leave no Transpose next to a fused op, also with
+    # the switch off (the first fused op registers the pass).
     r = run_case(f"""
         def make_fn(ksize, strides, padding, dtype):
             # No Cast next to the Transposes: TF's arithmetic optimizer would swap them.
@@ -261,21 +272,24 @@ def test_fused_ops_between_transposes_take_their_nchw_form(keep):
                                                       (2, 3, "VALID", "float64", None)]:
             sig = [tf.TensorSpec([batch, 5, 9, 7], dtype)]
             x = tf.cast(tf.random.stateless_normal([3, 5, 9, 7], seed=[ksize, strides]), dtype)
-            tf_relupool.disable_recompute()
+            # Baseline: plugin optimizers off (RewriterConfig.use_plugin_optimizers). Then the
+            # pass, with the switch off: the layout part runs wherever fused ops are.
+            tf.config.optimizer.set_experimental_options({{"use_plugin_optimizers": False}})
             off, off_nodes = graph_of(tf.function(make_fn(ksize, strides, padding, dtype),
                                                   input_signature=sig), x)
-            tf_relupool.enable_recompute({keep!r})
+            tf.config.optimizer.set_experimental_options({{"use_plugin_optimizers": True}})
             grappler.reset_stats()
             on, on_nodes = graph_of(tf.function(make_fn(ksize, strides, padding, dtype),
                                                 input_signature=sig), x)
             st = grappler.stats()
-            tf_relupool.disable_recompute()
             results.append(dict(
                 same=all(bits_equal(a.numpy(), b.numpy()) for a, b in zip(off, on)),
                 off=next_to_fused(off_nodes), on=next_to_fused(on_nodes),
                 transposes=[sum(n.op == "Transpose" for n in off_nodes),
                             sum(n.op == "Transpose" for n in on_nodes)],
-                nchw_ops=st["nchw_ops"], errors=st["errors"]))
+                nchw_ops=st["nchw_ops"], errors=st["errors"],
+                registered=grappler.registered_device_types(),
+                switch=tf_relupool.recompute_mode()))
         print(json.dumps(results))
     """)
     for case in r:
@@ -283,6 +297,7 @@ def test_fused_ops_between_transposes_take_their_nchw_form(keep):
         assert "Transpose" in case["off"][0] and case["off"][1] == ["NHWC"], case
         assert "Transpose" not in case["on"][0] and case["on"][1] == ["NCHW"], case
         assert case["transposes"] == [4, 0] and case["nchw_ops"] == 2 and case["errors"] == 0, case
+        assert case["registered"] == ["CPU", "GPU"] and case["switch"] is None, case
 
 
 def test_environment_opt_out():
@@ -378,7 +393,8 @@ def test_maxpool_v2_and_relu_pad_maxpool_are_fused_and_bitwise_equal(keep):
         assert c["same"], name
         assert {fwd, bwd} <= set(c["on_ops"]) and not STOCK & set(c["on_ops"]), (name, c["on_ops"])
         st = c["stats"]
-        assert st["fused_with_grad"] == 1 and st["not_fused"] == 0 and st["errors"] == 0, (name, st)
+        assert st["fused_with_grad"] == 1 and st["errors"] == 0, (name, st)
+        assert st["not_fused"] == 0 or (GPU and "not a constant" in st["last_skip"]), (name, st)
         assert st["fused_maxpool_v2"] == (1 if name.endswith("v2") else 0), (name, st)
         assert st["fused_through_pad"] == (1 if "pad" in name else 0), (name, st)
         assert st["fused_conv_relu"] == (1 if name == "pad_fused_conv" else 0), (name, st)
@@ -423,12 +439,15 @@ def test_relu_pad_maxpool_unknown_batch_forward_only_and_refusals():
             out[name] = dict(same=same, on_ops=on_ops, stats=st)
         print(json.dumps(out))
     """))
-    for name in ("unknown_batch", "forward"):
+    # On a GPU the forward-only graph has no convolution: TF's layout optimizer turns the pool
+    # alone to NCHW, with a Transpose between it and the Pad (no candidate; cc/grappler/README.md).
+    for name in ("unknown_batch",) + (() if GPU else ("forward",)):
         c = r[name]
         assert c["same"] and c["stats"]["fused_through_pad"] == 1, (name, c)
         assert not STOCK & set(c["on_ops"]), (name, c["on_ops"])
     assert "Shape" in r["unknown_batch"]["off_ops"]  # Shape(Relu), for the Pad's gradient
-    assert "ReluMaxPool" in r["forward"]["on_ops"]
+    assert "ReluMaxPool" in r["forward"]["on_ops"] or GPU
+    assert r["forward"]["same"]
     for name, why in (("negative", "negative or NaN"), ("pad_used_twice", "Pad has other consumers"),
                       ("window_argument", "ksize is not a constant")):
         c = r[name]
@@ -470,9 +489,9 @@ def test_keras_applications_are_fused_and_bitwise_equal(name, size, fusions, thr
         print(json.dumps(dict(same=same, off_ops=off_ops, on_ops=on_ops, stats=st)))
     """)
     st = r["stats"]
-    assert r["same"]
     assert st["fused_with_grad"] == fusions and st["fused_through_pad"] == through_pad, st
     assert st["not_fused"] == 0 and st["errors"] == 0, st
+    assert r["same"]
     assert {"MaxPoolGrad", "ReluGrad"} <= set(r["off_ops"])
     assert {"ReluMaxPoolWithWindowArgmax", "ReluMaxPoolGradFromWindowArgmax"} <= set(r["on_ops"])
     assert ("MaxPool" in r["on_ops"]) == other_pools, r["on_ops"]

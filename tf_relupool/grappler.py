@@ -122,6 +122,24 @@ def registered_device_types():
     return [t for t in buf.value.decode().split(",") if t]
 
 
+def ensure_registered():
+    """Registers the optimizer (once), whatever the switch: called when a graph first gets a
+    fused op, so that TensorFlow's layout optimizer never leaves the fused ops between
+    Transposes (the pass gives them their NCHW form; it fuses stock ops only while the switch
+    is on). Never raises; TF_RELUPOOL_GRAPPLER=0 keeps it unregistered."""
+    if _registered or _failure is not None:
+        return
+    with _lock:
+        if _registered or _failure is not None or _disabled_by_environment():
+            return
+        try:
+            register()
+        except GrapplerUnavailable as e:
+            if _failure_warned():
+                logger.warning("%s; the fused ops may run between TensorFlow's layout "
+                               "transposes on a GPU", e)
+
+
 def set_mode(mode):
     """Tells the optimizer the switch's value (None, "argmax", "input"); registers it on first
     use. Called by tf_relupool.config whenever the switch changes. Never raises: a failure
@@ -170,7 +188,8 @@ def stats():
     """The optimizer's counters since the last reset_stats(), plus its last texts.
 
     calls: graphs TensorFlow passed to it (two per graph: Grappler's two iterations);
-    calls_switch_off: of these, returned at once because the switch was off;
+    calls_switch_off: of these, with the switch off (then only fused ops already in the graph
+    get their layout pass);
     graphs_rewritten; fused_with_grad / fused_forward_only: fusions applied; fused_conv_relu:
     fusions on a remapper _FusedConv2D(..., Relu) (the convolution keeps its ReLU); nchw_ops:
     fused ops switched to NCHW between the layout optimizer's transposes, transposes_removed:

@@ -4,6 +4,7 @@ import tensorflow as tf
 from tensorflow.python.framework import ops as tf_ops
 
 from tf_relupool._loader import load_library
+from tf_relupool import grappler
 
 #: What the backward pass keeps from the forward pass.
 KEEP_ARGMAX = "argmax"  # one code per pooled element (1 byte for windows of < 255 positions)
@@ -113,6 +114,7 @@ def relu_max_pool2d(input, ksize, strides, padding, data_format="NHWC", name=Non
         attrs = dict(ksize=ksize, strides=strides, padding=padding, data_format=data_format,
                      implementation=implementation)
         lib = load_library()
+        grappler.ensure_registered()  # the fused ops' layout pass inside Grappler (GPU NCHW)
         if keep == KEEP_INPUT:
             return lib.relu_max_pool(input, **attrs)
         output, _ = lib.relu_max_pool_with_window_argmax(

@@ -91,7 +91,7 @@ std::atomic<int> g_mode{kOff};
 
 enum Stat : int {
   kCalls = 0,          // optimize_func invocations
-  kCallsOff,           // ... of which returned at once because the switch was off
+  kCallsOff,           // ... of which with the switch off (only the layout part runs)
   kGraphsRewritten,    // graphs returned with at least one fusion
   kFusedWithGrad,      // forward + gradient fusions
   kFusedForwardOnly,   // forward-only fusions
@@ -1343,10 +1343,7 @@ void Optimize(void*, const TF_Buffer* graph_buf, const TF_GrapplerItem* item,
   g_stats[kCalls]++;
   TF_SetStatus(status, TF_ABORTED, "tf_relupool: nothing to fuse");
   const int mode = g_mode.load();
-  if (mode == kOff) {
-    g_stats[kCallsOff]++;
-    return;
-  }
+  if (mode == kOff) g_stats[kCallsOff]++;
   try {
     const int fault = g_fault.load();
     if (fault == 1) throw std::runtime_error("injected fault");
@@ -1364,9 +1361,13 @@ void Optimize(void*, const TF_Buffer* graph_buf, const TF_GrapplerItem* item,
       TF_SetStatus(status, TF_OK, "");
       return;
     }
-    g_stats[kBytesIn] += graph_buf->length;
-    // Cheap pre-check on the serialized bytes: no "MaxPool" op name, nothing to do.
-    if (memmem(graph_buf->data, graph_buf->length, "MaxPool", 7) != nullptr) {
+    // Cheap pre-checks on the serialized bytes: stock pools to fuse (switch on), or fused ops
+    // whose layout may need the NCHW form (whatever the switch: it changes no value).
+    const bool stock_pools =
+        mode != kOff && memmem(graph_buf->data, graph_buf->length, "MaxPool", 7) != nullptr;
+    const bool fused_ops = memmem(graph_buf->data, graph_buf->length, "ReluMaxPool", 11) != nullptr;
+    if (stock_pools || fused_ops) g_stats[kBytesIn] += graph_buf->length;
+    if (stock_pools || fused_ops) {
       // An arena: parsing and freeing ~10^4 small messages costs several times less.
       google::protobuf::Arena arena;
       GraphDef& graph = *google::protobuf::Arena::Create<GraphDef>(&arena);
@@ -1385,7 +1386,7 @@ void Optimize(void*, const TF_Buffer* graph_buf, const TF_GrapplerItem* item,
         TransposeFolder folder(&graph, &preserve, nullptr);
         int fused = 0, nchw = 0;
         if (have_preserve) {
-          fused = rewriter.Run();
+          if (stock_pools) fused = rewriter.Run();
           nchw = folder.Run();
         }
         g_stats[kNotFused] += rewriter.stats[kNotFused];
