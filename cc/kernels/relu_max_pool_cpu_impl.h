@@ -369,6 +369,18 @@ TFRP_VEC_INLINE void ForEachVector(int64_t n, Vec vec, Scalar scalar) {
   if (i < n) vec(n - kVecLanes);
 }
 
+// How far ahead of the loads the 2x2 forward prefetches z: the hardware prefetchers alone left
+// the forward about 15% slower (they restart at every 4 KiB page, and a unit reads two rows at
+// once); measured best between 1 and 8 KiB on an AMD EPYC (Zen 4), 4 KiB in the middle.
+constexpr int64_t kPrefetchBytes = 4096;
+
+// Prefetches the cache lines of [p, p + bytes) kPrefetchBytes ahead (a hint: never faults).
+template <typename T>
+TFRP_VEC_INLINE void PrefetchAhead(const T* p, int64_t bytes) {
+  const char* c = reinterpret_cast<const char*>(p) + kPrefetchBytes;
+  for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(c + b);
+}
+
 // Units (output rows) [u_begin, u_end), all with full windows: their output columns [0, cols).
 // Calls row(u, img, ph) for each; the loops below take a whole run of rows per call, because an
 // NCHW row of a small image is a single vector and a call per row would cost more than the row.
@@ -423,6 +435,8 @@ void Forward2x2Rows(const PoolParams& p, const T* __restrict z, int64_t u_begin,
           [&](int64_t pw) {
             VecF v0, v1, v2, v3, m;
             VecU code;
+            PrefetchAhead(r0 + 2 * pw, 2 * kVecLanes * sizeof(T));
+            PrefetchAhead(r1 + 2 * pw, 2 * kVecLanes * sizeof(T));
             V::LoadPairs(r0 + 2 * pw, &v0, &v1);
             V::LoadPairs(r1 + 2 * pw, &v2, &v3);
             Pool4Vec(v0, v1, v2, v3, vlowest, kSentinel, &m, &code);
@@ -434,6 +448,8 @@ void Forward2x2Rows(const PoolParams& p, const T* __restrict z, int64_t u_begin,
     // NHWC: kVecLanes channels of one window at a time.
     for (int64_t pw = 0; pw < cols; ++pw) {
       const int64_t at = 2 * pw * L;
+      PrefetchAhead(r0 + at, 2 * L * sizeof(T));
+      PrefetchAhead(r1 + at, 2 * L * sizeof(T));
       ForEachVector(
           L,
           [&](int64_t l) {
@@ -496,6 +512,13 @@ void Backward2x2Rows(const PoolParams& p, const T* __restrict z, const uint8_t* 
       if (!kFromInput) return WidenBytes(cr + o);
       VecF v0, v1, v2, v3, m;
       VecU code;
+      const int64_t bytes = (pairs ? 2 * kVecLanes : kVecLanes) * int64_t(sizeof(T));
+      PrefetchAhead(r0 + at, bytes);
+      PrefetchAhead(r1 + at, bytes);
+      if (!pairs) {
+        PrefetchAhead(r0 + at + L, bytes);
+        PrefetchAhead(r1 + at + L, bytes);
+      }
       if (pairs) {
         V::LoadPairs(r0 + at, &v0, &v1);
         V::LoadPairs(r1 + at, &v2, &v3);
