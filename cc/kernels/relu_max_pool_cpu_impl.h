@@ -257,6 +257,7 @@ void FillZero(T* data, int64_t n, const ParallelRunner& runner) {
 
 #ifdef TFRP_CPU_NO_SIMD
 // No vector extensions in this build: the general loops do everything.
+constexpr int kVecBytes = 4;
 constexpr int kVecLanes = 1;
 template <typename T>
 constexpr bool kHas2x2Path = false;
@@ -722,18 +723,27 @@ struct RowGrad {
 constexpr int64_t kStreamMinBytes = int64_t{16} << 20;
 
 // Whether the 2x2 backward writes dz with streaming stores (PutVec): dz is too large to stay in
-// the caches for the next op anyway, and every vector store covers whole, aligned cache lines
-// (dz 64-byte aligned, rows a multiple of 64 bytes, no overlapping tail vector, no clipped
-// window): a line written partly by streaming and partly by ordinary stores costs more than
-// either.
+// the caches for the next op anyway, and every vector store streams, i.e. starts at a multiple of
+// its width (a line written partly by streaming and partly by ordinary stores costs more than
+// either): dz 64-byte aligned, rows a multiple of 64 bytes, no clipped window, and the vectors,
+// the overlapping last one of a row included, at multiples of the store width. (The overlapping
+// vector writes a few lines twice, both times streaming: a little extra traffic, the same bits.)
 template <typename T>
 inline bool StreamDz(const PoolParams& p, const T* dz) {
-  const bool whole_vectors =
-      p.lanes == 1 ? FullCols2x2(p) % kVecLanes == 0 : p.lanes % kVecLanes == 0;
-  return Use2x2Path<T>(p) && WindowsTileInput(p) && whole_vectors &&
-         (p.in_cols * p.lanes * int64_t(sizeof(T))) % 64 == 0 &&
-         reinterpret_cast<uintptr_t>(dz) % 64 == 0 &&
-         p.in_elements() * int64_t(sizeof(T)) >= kStreamMinBytes;
+  if (!Use2x2Path<T>(p) || !WindowsTileInput(p) || reinterpret_cast<uintptr_t>(dz) % 64 != 0 ||
+      (p.in_cols * p.lanes * int64_t(sizeof(T))) % 64 != 0 ||
+      p.in_elements() * int64_t(sizeof(T)) < kStreamMinBytes) {
+    return false;
+  }
+  // NHWC stores kVecLanes values at lane offsets l; NCHW stores 2 * kVecLanes values (pairs)
+  // at offsets 2 * pw. n: how many vectors' worth a row has; step: values per output element.
+  const int64_t n = p.lanes == 1 ? FullCols2x2(p) : p.lanes;
+  const int64_t step = p.lanes == 1 ? 2 : 1;
+  const int64_t store = step * kVecLanes * int64_t(sizeof(T));
+  const int64_t width = std::min<int64_t>(store, kVecBytes);  // PutVec's chunks
+  const int64_t last = (n - kVecLanes) * step * int64_t(sizeof(T));  // the last vector's offset
+  return width >= 16 && n >= kVecLanes && store % width == 0 && last % width == 0 &&
+         (p.lanes == 1 || (p.lanes * int64_t(sizeof(T))) % width == 0);
 }
 
 // Disjoint windows: each (image, output row) unit owns a band of input rows; it zeroes the band
