@@ -259,6 +259,7 @@ void FillZero(T* data, int64_t n, const ParallelRunner& runner) {
 // No vector extensions in this build: the general loops do everything.
 constexpr int kVecBytes = 4;
 constexpr int kVecLanes = 1;
+constexpr size_t kStreamChunk = 4;
 template <typename T>
 constexpr bool kHas2x2Path = false;
 template <typename T>
@@ -724,15 +725,14 @@ struct RowGrad {
 constexpr int64_t kStreamMinBytes = int64_t{16} << 20;
 
 // Whether the 2x2 backward writes dz with streaming stores (PutVec): dz is too large to stay in
-// the caches for the next op anyway, and every vector store streams, i.e. starts at a multiple of
-// its width (a line written partly by streaming and partly by ordinary stores costs more than
-// either): dz 64-byte aligned, rows a multiple of 64 bytes, no clipped window, and the vectors,
-// the overlapping last one of a row included, at multiples of the store width. (The overlapping
-// vector writes a few lines twice, both times streaming: a little extra traffic, the same bits.)
+// the caches for the next op anyway, and every store to dz streams, i.e. starts at a multiple of
+// PutVec's chunk width (a cache line written partly by streaming and partly by ordinary stores
+// costs more than either): no clipped window (vectors cover every row), dz aligned, every row
+// and every vector, the overlapping last one of a row included, at a multiple of the width.
+// (The overlapping vector writes a few bytes twice, both times streaming: the same bits.)
 template <typename T>
 inline bool StreamDz(const PoolParams& p, const T* dz) {
-  if (!Use2x2Path<T>(p) || !WindowsTileInput(p) || reinterpret_cast<uintptr_t>(dz) % 64 != 0 ||
-      (p.in_cols * p.lanes * int64_t(sizeof(T))) % 64 != 0 ||
+  if (!Use2x2Path<T>(p) || !WindowsTileInput(p) ||
       p.in_elements() * int64_t(sizeof(T)) < kStreamMinBytes) {
     return false;
   }
@@ -741,9 +741,11 @@ inline bool StreamDz(const PoolParams& p, const T* dz) {
   const int64_t n = p.lanes == 1 ? FullCols2x2(p) : p.lanes;
   const int64_t step = p.lanes == 1 ? 2 : 1;
   const int64_t store = step * kVecLanes * int64_t(sizeof(T));
-  const int64_t width = std::min<int64_t>(store, kVecBytes);  // PutVec's chunks
+  const int64_t width = std::min<int64_t>(store, kStreamChunk);
   const int64_t last = (n - kVecLanes) * step * int64_t(sizeof(T));  // the last vector's offset
-  return width >= 16 && n >= kVecLanes && store % width == 0 && last % width == 0 &&
+  const int64_t row = p.in_cols * p.lanes * int64_t(sizeof(T));
+  return width >= 16 && n >= kVecLanes && reinterpret_cast<uintptr_t>(dz) % width == 0 &&
+         row % width == 0 && store % width == 0 && last % width == 0 &&
          (p.lanes == 1 || (p.lanes * int64_t(sizeof(T))) % width == 0);
 }
 
