@@ -350,14 +350,16 @@ def test_every_path_bitwise_equal_to_baseline_and_stock(case):
 
 
 @pytest.mark.parametrize("dtype, shape, data_format", [
-    (tf.float32, (8, 128, 64, 64), "NHWC"),
+    (tf.float32, (16, 128, 128, 64), "NHWC"),
     (tf.float32, (8, 64, 112, 112), "NCHW"),
-    (tf.bfloat16, (16, 128, 64, 64), "NHWC"),
+    (tf.float32, (8, 64, 56, 56), "NCHW"),
+    (tf.bfloat16, (32, 128, 128, 64), "NHWC"),
     (tf.bfloat16, (16, 64, 128, 128), "NCHW"),
 ])
 def test_large_outputs_on_every_path(dtype, shape, data_format):
-    """dz of 16 MiB and more: the 2x2 backward writes it with streaming stores (whole aligned
-    cache lines, relu_max_pool_cpu_impl.h StreamDz); every path still equals baseline and stock."""
+    """Outputs of 16 MiB and more: the 2x2 loops write dz (and, NHWC, y and the codes) with
+    streaming stores (relu_max_pool_cpu_impl.h StreamDz, StreamForward); every path still equals
+    baseline and stock."""
     rng = np.random.default_rng(1)
     z_np = rng.integers(-3, 4, size=shape) + rng.normal(size=shape) * 0.5
     z_np[rng.random(shape) < 0.01] = np.nan
