@@ -4,9 +4,10 @@
 // x86-64, AVX2, AVX-512), each time inside its own namespace and `#pragma GCC target` region,
 // after relu_max_pool_cpu_simd.h, and dispatches at run time. One source for every path, so the
 // paths cannot drift apart; they are bitwise identical because every operation here is an exact
-// IEEE operation (compare, select, max by compare, add, multiply by 0 or 1) done in a fixed
-// order, whatever the vector width. Keep it so: no a * b + c anywhere (the AVX-512 target allows
-// FMA, and setup.py passes -ffp-contract=off as a second guard), no reassociated sums.
+// IEEE operation (compare, select by bits, add, multiply by 0 or 1) done in a fixed order,
+// whatever the vector width. Keep it so: no a * b + c anywhere (the AVX-512 target allows FMA,
+// and every build passes -ffp-contract=off as a second guard), no reassociated sums, no max/min
+// instructions (SelectValue says why).
 //
 // Layout: (images x rows x cols x lanes), see PoolParams. Loops keep lanes innermost so that NHWC
 // channels vectorise. Work is split over (image, row) units; each unit writes a disjoint part of
@@ -19,8 +20,9 @@
 //    vector loops (relu_max_pool_cpu_simd.h) that read each input once and write each output
 //    once with no intermediate buffers: the forward computes the max and the window code of
 //    kVecLanes outputs from four vector loads; the backward expands kVecLanes codes and dy
-//    values into the four dz values of each window. Windows clipped by the input's edge (odd
-//    sizes) go through the general loops.
+//    values into the four dz values of each window. They prefetch z ahead and write outputs
+//    far larger than the caches with streaming stores. Windows clipped by the input's edge
+//    (odd sizes) go through the general loops.
 
 template <typename T>
 using Acc = typename ValueTraits<T>::Acc;
@@ -310,8 +312,8 @@ TFRP_VEC_INLINE VecF VecSelect(VecI mask, VecF a, VecF b) {
 TFRP_VEC_INLINE VecF VecRelu(VecF v) { return VecSelect(v < VecF{}, VecF{}, v); }
 
 // kVecLanes output elements; code lanes hold 0..3 or `sentinel`.
-TFRP_VEC_INLINE void Pool4Vec(VecF v0, VecF v1, VecF v2, VecF v3, VecF lowest, uint32_t sentinel,
-                     VecF* max, VecU* code) {
+TFRP_VEC_INLINE void Pool4Vec(VecF v0, VecF v1, VecF v2, VecF v3, VecF lowest,
+                              uint32_t sentinel, VecF* max, VecU* code) {
   const VecF zero = {};
   const VecF r0 = VecRelu(v0), r1 = VecRelu(v1), r2 = VecRelu(v2), r3 = VecRelu(v3);
   VecF m = lowest;
