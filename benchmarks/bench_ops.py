@@ -148,6 +148,8 @@ def cpu_isa():
     """The instruction-set path tf_relupool's CPU kernels run (cc/kernels/relu_max_pool_cpu.cc)."""
     tf_relupool.load_library()
     lib = ctypes.CDLL(tf_relupool._loader.library_path())
+    if not hasattr(lib, "tf_relupool_cpu_isa"):
+        return "baseline (a library without run-time dispatch)"
     lib.tf_relupool_cpu_isa.restype = ctypes.c_char_p
     return lib.tf_relupool_cpu_isa().decode()
 

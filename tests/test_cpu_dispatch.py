@@ -349,3 +349,41 @@ def test_every_path_bitwise_equal_to_baseline_and_stock(case):
             assert_bitwise_equal(ours["dz_from_input"], dz_stock, f"{isa}: gradient from input")
     finally:
         set_isa(before)
+
+
+@pytest.mark.parametrize("dtype, shape, data_format", [
+    (tf.float32, (16, 128, 128, 64), "NHWC"),
+    (tf.float32, (8, 64, 112, 112), "NCHW"),
+    (tf.float32, (8, 64, 56, 56), "NCHW"),
+    (tf.bfloat16, (32, 128, 128, 64), "NHWC"),
+    (tf.bfloat16, (16, 64, 128, 128), "NCHW"),
+])
+def test_large_outputs_on_every_path(dtype, shape, data_format):
+    """Outputs of 16 MiB and more: the 2x2 loops write dz (and, NHWC, y and the codes) with
+    streaming stores (relu_max_pool_cpu_impl.h StreamDz, StreamForward); every path still equals
+    baseline and stock."""
+    rng = np.random.default_rng(1)
+    z_np = rng.integers(-3, 4, size=shape) + rng.normal(size=shape) * 0.5
+    z_np[rng.random(shape) < 0.01] = np.nan
+    z = tf.constant(z_np, dtype)
+    four = [1, 2, 2, 1] if data_format == "NHWC" else [1, 1, 2, 2]
+    case = dict(z=z_np, dtype=dtype, ksize=four, strides=four, padding="VALID",
+                data_format=data_format, rng_seed=3, argmax_type=None)
+    y_shape = load_library().relu_max_pool(z, ksize=four, strides=four, padding="VALID",
+                                           data_format=data_format).shape
+    dy = make_dy(case, y_shape)
+    before = active_isa()
+    try:
+        results = {}
+        for isa in SUPPORTED:
+            set_isa(isa)
+            results[isa] = _raw_results(case, z, dy, z)
+        for isa in SUPPORTED[1:]:
+            for name, want in results["baseline"].items():
+                assert _same_bits(results[isa][name], want), f"{isa} vs baseline: {name} differs"
+    finally:
+        set_isa(before)
+    y_stock, dz_stock = stock_forward_and_grad(z, dy, four, four, "VALID", data_format)
+    assert_bitwise_equal(results["baseline"]["y"], y_stock, "forward")
+    assert_bitwise_equal(results["baseline"]["dz_from_codes"], dz_stock, "gradient from codes")
+    assert_bitwise_equal(results["baseline"]["dz_from_input"], dz_stock, "gradient from input")

@@ -4,9 +4,10 @@
 // x86-64, AVX2, AVX-512), each time inside its own namespace and `#pragma GCC target` region,
 // after relu_max_pool_cpu_simd.h, and dispatches at run time. One source for every path, so the
 // paths cannot drift apart; they are bitwise identical because every operation here is an exact
-// IEEE operation (compare, select, max by compare, add, multiply by 0 or 1) done in a fixed
-// order, whatever the vector width. Keep it so: no a * b + c anywhere (the AVX-512 target allows
-// FMA, and setup.py passes -ffp-contract=off as a second guard), no reassociated sums.
+// IEEE operation (compare, select by bits, add, multiply by 0 or 1) done in a fixed order,
+// whatever the vector width. Keep it so: no a * b + c anywhere (the AVX-512 target allows FMA,
+// and every build passes -ffp-contract=off as a second guard), no reassociated sums, no max/min
+// instructions (SelectValue says why).
 //
 // Layout: (images x rows x cols x lanes), see PoolParams. Loops keep lanes innermost so that NHWC
 // channels vectorise. Work is split over (image, row) units; each unit writes a disjoint part of
@@ -19,8 +20,9 @@
 //    vector loops (relu_max_pool_cpu_simd.h) that read each input once and write each output
 //    once with no intermediate buffers: the forward computes the max and the window code of
 //    kVecLanes outputs from four vector loads; the backward expands kVecLanes codes and dy
-//    values into the four dz values of each window. Windows clipped by the input's edge (odd
-//    sizes) go through the general loops.
+//    values into the four dz values of each window. They prefetch z ahead and write outputs
+//    far larger than the caches with streaming stores. Windows clipped by the input's edge
+//    (odd sizes) go through the general loops.
 
 template <typename T>
 using Acc = typename ValueTraits<T>::Acc;
@@ -257,14 +259,16 @@ void FillZero(T* data, int64_t n, const ParallelRunner& runner) {
 
 #ifdef TFRP_CPU_NO_SIMD
 // No vector extensions in this build: the general loops do everything.
+constexpr int kVecBytes = 4;
 constexpr int kVecLanes = 1;
+constexpr size_t kStreamChunk = 4;
 template <typename T>
 constexpr bool kHas2x2Path = false;
 template <typename T>
 inline bool Use2x2Path(const PoolParams&) { return false; }
 inline int64_t FullRows2x2(const PoolParams&) { return 0; }
 inline int64_t FullCols2x2(const PoolParams&) { return 0; }
-template <typename T, bool kY, bool kCodes>
+template <typename T, bool kY, bool kCodes, bool kStream>
 void Forward2x2Rows(const PoolParams&, const T*, int64_t, int64_t, int64_t, T*, uint8_t*) {}
 template <typename T, bool kFromInput, bool kStream>
 void Backward2x2Rows(const PoolParams&, const T*, const uint8_t*, const T*, int64_t, int64_t,
@@ -308,8 +312,8 @@ TFRP_VEC_INLINE VecF VecSelect(VecI mask, VecF a, VecF b) {
 TFRP_VEC_INLINE VecF VecRelu(VecF v) { return VecSelect(v < VecF{}, VecF{}, v); }
 
 // kVecLanes output elements; code lanes hold 0..3 or `sentinel`.
-TFRP_VEC_INLINE void Pool4Vec(VecF v0, VecF v1, VecF v2, VecF v3, VecF lowest, uint32_t sentinel,
-                     VecF* max, VecU* code) {
+TFRP_VEC_INLINE void Pool4Vec(VecF v0, VecF v1, VecF v2, VecF v3, VecF lowest,
+                              uint32_t sentinel, VecF* max, VecU* code) {
   const VecF zero = {};
   const VecF r0 = VecRelu(v0), r1 = VecRelu(v1), r2 = VecRelu(v2), r3 = VecRelu(v3);
   VecF m = lowest;
@@ -369,6 +373,19 @@ TFRP_VEC_INLINE void ForEachVector(int64_t n, Vec vec, Scalar scalar) {
   if (i < n) vec(n - kVecLanes);
 }
 
+// How far ahead of the loads the 2x2 loops prefetch z: the hardware prefetchers alone left the
+// forward 10-25% slower (they stop at every 4 KiB page, and a unit reads two rows at once).
+// Measured on an AMD EPYC (Zen 4) from 0 to 8 KiB ahead: 8 KiB was best overall for NHWC (two
+// rows of a small image ahead, or the next image's), no distance mattered much for NCHW.
+constexpr int64_t kPrefetchBytes = 8192;
+
+// Prefetches the cache lines of [p, p + bytes) kPrefetchBytes ahead (a hint: never faults).
+template <typename T>
+TFRP_VEC_INLINE void PrefetchAhead(const T* p, int64_t bytes) {
+  const char* c = reinterpret_cast<const char*>(p) + kPrefetchBytes;
+  for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(c + b);
+}
+
 // Units (output rows) [u_begin, u_end), all with full windows: their output columns [0, cols).
 // Calls row(u, img, ph) for each; the loops below take a whole run of rows per call, because an
 // NCHW row of a small image is a single vector and a call per row would cost more than the row.
@@ -385,8 +402,8 @@ TFRP_VEC_INLINE void ForEachRow(const PoolParams& p, int64_t u_begin, int64_t u_
 }
 
 // Forward of output rows [u_begin, u_end), columns [0, cols) (all windows inside the input):
-// y (kY) and uint8 codes (kCodes).
-template <typename T, bool kY, bool kCodes>
+// y (kY) and uint8 codes (kCodes), with streaming stores when kStream (StreamForward).
+template <typename T, bool kY, bool kCodes, bool kStream>
 void Forward2x2Rows(const PoolParams& p, const T* __restrict z, int64_t u_begin, int64_t u_end,
                     int64_t cols, T* __restrict y, uint8_t* __restrict codes) {
   using V = VecType<T>;
@@ -410,11 +427,9 @@ void Forward2x2Rows(const PoolParams& p, const T* __restrict z, int64_t u_begin,
       if (kY) yr[o] = ValueTraits<T>::FromAcc(m);
       if (kCodes) cr[o] = static_cast<uint8_t>(code < 0 ? kSentinel : code);
     };
-    // Ordinary stores: y and the codes are a quarter and a sixteenth of z, so streaming them
-    // saves little, and the next op may still find them in the caches.
     auto store = [&](VecF m, VecU code, int64_t o) {
-      if (kY) V::template Store<false>(yr + o, V::Exact(m));  // m is one of T's values: exact
-      if (kCodes) NarrowToBytes<false>(code, cr + o);
+      if (kY) V::template Store<kStream>(yr + o, V::Exact(m));  // m is one of T's values: exact
+      if (kCodes) NarrowToBytes<kStream>(code, cr + o);
     };
     if (L == 1) {
       // NCHW: kVecLanes outputs of the row from 2 * kVecLanes values of each input row.
@@ -423,6 +438,8 @@ void Forward2x2Rows(const PoolParams& p, const T* __restrict z, int64_t u_begin,
           [&](int64_t pw) {
             VecF v0, v1, v2, v3, m;
             VecU code;
+            PrefetchAhead(r0 + 2 * pw, 2 * kVecLanes * sizeof(T));
+            PrefetchAhead(r1 + 2 * pw, 2 * kVecLanes * sizeof(T));
             V::LoadPairs(r0 + 2 * pw, &v0, &v1);
             V::LoadPairs(r1 + 2 * pw, &v2, &v3);
             Pool4Vec(v0, v1, v2, v3, vlowest, kSentinel, &m, &code);
@@ -434,6 +451,8 @@ void Forward2x2Rows(const PoolParams& p, const T* __restrict z, int64_t u_begin,
     // NHWC: kVecLanes channels of one window at a time.
     for (int64_t pw = 0; pw < cols; ++pw) {
       const int64_t at = 2 * pw * L;
+      PrefetchAhead(r0 + at, 2 * L * sizeof(T));
+      PrefetchAhead(r1 + at, 2 * L * sizeof(T));
       ForEachVector(
           L,
           [&](int64_t l) {
@@ -496,6 +515,13 @@ void Backward2x2Rows(const PoolParams& p, const T* __restrict z, const uint8_t* 
       if (!kFromInput) return WidenBytes(cr + o);
       VecF v0, v1, v2, v3, m;
       VecU code;
+      const int64_t bytes = (pairs ? 2 * kVecLanes : kVecLanes) * int64_t(sizeof(T));
+      PrefetchAhead(r0 + at, bytes);
+      PrefetchAhead(r1 + at, bytes);
+      if (!pairs) {
+        PrefetchAhead(r0 + at + L, bytes);
+        PrefetchAhead(r1 + at + L, bytes);
+      }
       if (pairs) {
         V::LoadPairs(r0 + at, &v0, &v1);
         V::LoadPairs(r1 + at, &v2, &v3);
@@ -549,6 +575,36 @@ inline int64_t Full2x2Run(const PoolParams& p, int64_t u, int64_t end, int64_t f
   return full_rows == p.out_rows ? end : std::min(end, u + (full_rows - ph));
 }
 
+// True when the windows tile the input exactly (window == stride and no leftover rows or
+// columns): then every dz element is written by exactly one window and nothing needs zeroing.
+inline bool WindowsTileInput(const PoolParams& p) {
+  return p.window_rows == p.stride_rows && p.window_cols == p.stride_cols &&
+         p.out_rows * p.stride_rows - p.pad_top >= p.in_rows &&
+         p.out_cols * p.stride_cols - p.pad_left >= p.in_cols;
+}
+
+// Outputs at least this large are written with streaming stores where the 2x2 loops can: too
+// large to stay in the caches for the next op anyway.
+constexpr int64_t kStreamMinBytes = int64_t{16} << 20;
+
+// Whether the 2x2 forward writes y (and the codes) with streaming stores: NHWC only, with whole
+// vectors of channels, every store at a multiple of PutVec's chunk width (see StreamDz), and no
+// clipped window. Measured: 5-10% faster for large float32 outputs; NCHW rows of small images
+// rarely align, and a line written partly by streaming stores costs more than it saves.
+template <typename T, typename C>
+inline bool StreamForward(const PoolParams& p, const T* y, const C* codes) {
+  if (p.lanes == 1 || !Use2x2Path<T>(p) || !WindowsTileInput(p) || p.lanes % kVecLanes != 0 ||
+      p.out_elements() * int64_t(sizeof(T)) < kStreamMinBytes) {
+    return false;
+  }
+  const int64_t width = std::min<int64_t>(kVecLanes * int64_t(sizeof(T)), kStreamChunk);
+  const int64_t code_width = std::min<int64_t>(kVecLanes, kStreamChunk);
+  return width >= 16 && reinterpret_cast<uintptr_t>(y) % width == 0 &&
+         (p.lanes * int64_t(sizeof(T))) % width == 0 &&
+         (codes == nullptr ||
+          (reinterpret_cast<uintptr_t>(codes) % code_width == 0 && p.lanes % code_width == 0));
+}
+
 // Forward; y and/or argmax may be null (the keep-z backward only wants the codes).
 template <typename T, typename C>
 void ForwardImpl(const PoolParams& p, const T* z, T* y, C* argmax, const ParallelRunner& runner) {
@@ -559,6 +615,7 @@ void ForwardImpl(const PoolParams& p, const T* z, T* y, C* argmax, const Paralle
   // The 2x2 loops write uint8 codes (the default code type of 2x2 windows) or none.
   const bool fast = Use2x2Path<T>(p) && (argmax == nullptr || std::is_same<C, uint8_t>::value);
   const int64_t full_rows = fast ? FullRows2x2(p) : 0, full_cols = fast ? FullCols2x2(p) : 0;
+  const bool stream = fast && y != nullptr && StreamForward(p, y, argmax);
   runner.For(units, cost, [&](int64_t begin, int64_t end) {
     RowScan<T> scan(p);
     // Output row u from output column `done` on, by the general loops.
@@ -586,27 +643,29 @@ void ForwardImpl(const PoolParams& p, const T* z, T* y, C* argmax, const Paralle
         uint8_t* codes = nullptr;
         if constexpr (std::is_same<C, uint8_t>::value) codes = argmax;
         if (y != nullptr && codes != nullptr) {
-          Forward2x2Rows<T, true, true>(p, z, u, run_end, full_cols, y, codes);
+          if (stream) {
+            Forward2x2Rows<T, true, true, true>(p, z, u, run_end, full_cols, y, codes);
+          } else {
+            Forward2x2Rows<T, true, true, false>(p, z, u, run_end, full_cols, y, codes);
+          }
         } else if (y != nullptr) {
-          Forward2x2Rows<T, true, false>(p, z, u, run_end, full_cols, y, nullptr);
+          if (stream) {
+            Forward2x2Rows<T, true, false, true>(p, z, u, run_end, full_cols, y, nullptr);
+          } else {
+            Forward2x2Rows<T, true, false, false>(p, z, u, run_end, full_cols, y, nullptr);
+          }
         } else {
-          Forward2x2Rows<T, false, true>(p, z, u, run_end, full_cols, nullptr, codes);
+          Forward2x2Rows<T, false, true, false>(p, z, u, run_end, full_cols, nullptr, codes);
         }
       }
       for (; u < run_end; ++u) {
         if (full_cols < p.out_cols) general(u, full_cols);
       }
     }
+    if (stream) StreamFence();
   });
 }
 
-// True when the windows tile the input exactly (window == stride and no leftover rows or
-// columns): then every dz element is written by exactly one window and nothing needs zeroing.
-inline bool WindowsTileInput(const PoolParams& p) {
-  return p.window_rows == p.stride_rows && p.window_cols == p.stride_cols &&
-         p.out_rows * p.stride_rows - p.pad_top >= p.in_rows &&
-         p.out_cols * p.stride_cols - p.pad_left >= p.in_cols;
-}
 
 // Gradient of one output row, ready to be written: element i = pw * lanes + l puts `hit[i]` at
 // window code `pos[i]` (-1: none) and `first[i]` at the window's first position; all else +0.
@@ -695,22 +754,29 @@ struct RowGrad {
   }
 };
 
-// Outputs at least this large are written with streaming stores where the 2x2 backward can.
-constexpr int64_t kStreamMinBytes = int64_t{16} << 20;
-
 // Whether the 2x2 backward writes dz with streaming stores (PutVec): dz is too large to stay in
-// the caches for the next op anyway, and every vector store covers whole, aligned cache lines
-// (dz 64-byte aligned, rows a multiple of 64 bytes, no overlapping tail vector, no clipped
-// window): a line written partly by streaming and partly by ordinary stores costs more than
-// either.
+// the caches for the next op anyway, and every store to dz streams, i.e. starts at a multiple of
+// PutVec's chunk width (a cache line written partly by streaming and partly by ordinary stores
+// costs more than either): no clipped window (vectors cover every row), dz aligned, every row
+// and every vector, the overlapping last one of a row included, at a multiple of the width.
+// (The overlapping vector writes a few bytes twice, both times streaming: the same bits.)
 template <typename T>
 inline bool StreamDz(const PoolParams& p, const T* dz) {
-  const bool whole_vectors =
-      p.lanes == 1 ? FullCols2x2(p) % kVecLanes == 0 : p.lanes % kVecLanes == 0;
-  return Use2x2Path<T>(p) && WindowsTileInput(p) && whole_vectors &&
-         (p.in_cols * p.lanes * int64_t(sizeof(T))) % 64 == 0 &&
-         reinterpret_cast<uintptr_t>(dz) % 64 == 0 &&
-         p.in_elements() * int64_t(sizeof(T)) >= kStreamMinBytes;
+  if (!Use2x2Path<T>(p) || !WindowsTileInput(p) ||
+      p.in_elements() * int64_t(sizeof(T)) < kStreamMinBytes) {
+    return false;
+  }
+  // NHWC stores kVecLanes values at lane offsets l; NCHW stores 2 * kVecLanes values (pairs)
+  // at offsets 2 * pw. n: how many vectors' worth a row has; step: values per output element.
+  const int64_t n = p.lanes == 1 ? FullCols2x2(p) : p.lanes;
+  const int64_t step = p.lanes == 1 ? 2 : 1;
+  const int64_t store = step * kVecLanes * int64_t(sizeof(T));
+  const int64_t width = std::min<int64_t>(store, kStreamChunk);
+  const int64_t last = (n - kVecLanes) * step * int64_t(sizeof(T));  // the last vector's offset
+  const int64_t row = p.in_cols * p.lanes * int64_t(sizeof(T));
+  return width >= 16 && n >= kVecLanes && reinterpret_cast<uintptr_t>(dz) % width == 0 &&
+         row % width == 0 && store % width == 0 && last % width == 0 &&
+         (p.lanes == 1 || (p.lanes * int64_t(sizeof(T))) % width == 0);
 }
 
 // Disjoint windows: each (image, output row) unit owns a band of input rows; it zeroes the band
