@@ -12,8 +12,13 @@ tf_relupool is imported ("0"/"off"/"false"/"no"/"" -> off; "1"/"on"/"true"/"yes"
 user's model computes behind their back: with the switch off, nothing tf_relupool provides
 changes a model's graph, and turning it on is one visible line.
 
+While the switch is on, tf_relupool's graph optimizer inside Grappler (tf_relupool/grappler.py)
+also fuses stock ``relu`` + ``max_pool`` (and their gradients) in every graph TensorFlow
+optimizes: stock Keras models and ``tf.function`` code need no other change.
+
 The switch is read when a layer's ``call`` is traced (when Keras builds its train/predict
-function), not at every step: change it before ``compile``/``fit``, or recompile the model.
+function), and by the graph optimizer when TensorFlow optimizes a function (its first call), not
+at every step: change it before ``compile``/``fit``, or recompile the model.
 The switch is process-global (not per thread) so that replica threads of a
 ``tf.distribute`` strategy see the same value as the thread that set it.
 """
@@ -60,7 +65,8 @@ def parse_env_value(value):
 
 
 def enable_recompute(keep=KEEP_ARGMAX):
-    """Turns the switch on: `ReluMaxPool2D(keep=None)` layers run the fused op.
+    """Turns the switch on: `ReluMaxPool2D(keep=None)` layers run the fused op, and stock
+    relu + max_pool pairs are fused inside Grappler in functions TensorFlow optimizes afterwards.
 
     Args:
       keep: what the fused op's backward keeps. "argmax" (default, the lowest memory): one code
@@ -78,6 +84,25 @@ def enable_recompute(keep=KEEP_ARGMAX):
     with _lock:
         _mode = keep
         _notify_grappler()
+    _warn_about_xla_once()
+
+
+_xla_warned = []
+
+
+def _warn_about_xla_once():
+    """Keras 3 compiles models with XLA by default (jit_compile="auto") where a GPU is visible,
+    and XLA clusters never reach Grappler: the switch cannot fuse stock layers there."""
+    if _xla_warned:
+        return
+    _xla_warned.append(True)
+    import tensorflow as tf
+    if tf.config.list_physical_devices("GPU"):
+        logger.warning(
+            "tf_relupool: Keras compiles models with XLA by default on a GPU "
+            "(jit_compile=\"auto\"), and XLA-compiled functions never reach Grappler, where "
+            "enable_recompute() fuses stock layers: compile stock models with "
+            "jit_compile=False (models with ReluMaxPool2D layers do so by themselves).")
 
 
 def disable_recompute():

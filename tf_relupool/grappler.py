@@ -8,10 +8,12 @@ rewrites `max_pool2d(relu(z))` (and its gradient `ReluGrad(MaxPoolGrad(...))`) i
 so stock code (`tf.nn.relu` + `tf.nn.max_pool2d`, Keras `Conv2D(activation="relu")` +
 `MaxPooling2D`, `MaxPoolV2`, a ZeroPadding2D between the ReLU and the pool as in the ResNet50
 stem) gets the fused ops without a change. `rewrite_serialized_graph` runs the same code on a
-GraphDef outside Grappler (what `tf_relupool.rewrite_graph` uses).
+GraphDef outside Grappler (what `tf_relupool.rewrite_graph` uses). Whatever the switch, it also
+gives fused ops their NCHW form where TensorFlow's layout optimizer (on a GPU) left them in NHWC
+between Transposes.
 
-When: the optimizer is registered the first time the switch is turned on (so a process that
-never turns it on pays nothing); it reads the switch each time TensorFlow optimizes a graph,
+When: the optimizer is registered the first time the switch is turned on or a fused op is built
+(so a process that does neither pays nothing); it reads the switch each time TensorFlow optimizes a graph,
 which happens when a traced function is first run (instantiated), not at every step. As with
 layers, set the switch before the function's first call (before `fit`).
 
