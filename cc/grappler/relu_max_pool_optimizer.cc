@@ -1168,7 +1168,12 @@ class TransposeFolder {
     p.set_op("DataFormatVecPermute");
     p.set_device(op.device());
     p.add_input(input);
-    (*p.mutable_attr())["T"] = *Attr(op, "Tshape");
+    const AttrValue* tshape = Attr(op, "Tshape");  // absent: the op's default, int32
+    if (tshape != nullptr) {
+      (*p.mutable_attr())["T"] = *tshape;
+    } else {
+      (*p.mutable_attr())["T"].set_type(tensorflow::DT_INT32);
+    }
     (*p.mutable_attr())["src_format"].set_s("NHWC");
     (*p.mutable_attr())["dst_format"].set_s("NCHW");
     added_.push_back(p);
@@ -1232,8 +1237,11 @@ class TransposeFolder {
         code_readers.push_back(c);
     }
     if (!code_readers.empty()) {
-      const std::string back = AddTranspose(n->name() + "/window_argmax_nhwc", n->name() + ":1",
-                                            TypeAttr(*n, "Targmax"), n->device(), {0, 2, 3, 1});
+      const tensorflow::DataType code_type = TypeAttr(*n, "Targmax");  // absent: uint8
+      const std::string back = AddTranspose(
+          n->name() + "/window_argmax_nhwc", n->name() + ":1",
+          code_type == tensorflow::DT_INVALID ? tensorflow::DT_UINT8 : code_type, n->device(),
+          {0, 2, 3, 1});
       for (const auto& c : code_readers) g_->mutable_node(c.first)->set_input(c.second, back);
     }
     // Nodes added by earlier conversions read the NHWC output too (a Transpose to NCHW of it).
