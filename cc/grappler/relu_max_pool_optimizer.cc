@@ -970,10 +970,20 @@ class TransposeFolder {
       if (IsFusedOp(n) && StringAttr(n, "data_format", "NHWC") == "NHWC") starts.push_back(i);
     }
     if (starts.empty()) return 0;
-    Index();
+    // Cheap pre-check (most graphs off a GPU): does any fused op read a Transpose at all?
+    std::unordered_set<std::string_view> transposes;
+    for (const NodeDef& n : g_->node())
+      if (n.op() == "Transpose") transposes.insert(n.name());
+    bool reads_transpose = false;
+    for (int i : starts)
+      reads_transpose = reads_transpose || transposes.count(InputNode(ActivationInput(node(i))));
+    if (!reads_transpose) return 0;
+    index_.reserve(g_->node_size());
+    for (int i = 0; i < g_->node_size(); ++i) index_[g_->node(i).name()] = i;
     bool any_start = false;
     for (int i : starts) any_start = any_start || FromNchw(ActivationInput(node(i))) != "";
-    if (!any_start) return 0;
+    if (!any_start) return 0;  // the usual case off a GPU: no consumer index needed
+    IndexConsumers();
     std::unordered_set<int> done;
     int converted = 0;
     for (int i : starts) {
@@ -1043,9 +1053,7 @@ class TransposeFolder {
     if (g_verbose.load()) LOG(INFO) << "tf_relupool grappler: " << text;
   }
 
-  void Index() {
-    index_.reserve(g_->node_size());
-    for (int i = 0; i < g_->node_size(); ++i) index_[g_->node(i).name()] = i;
+  void IndexConsumers() {
     for (int i = 0; i < g_->node_size(); ++i) {
       const NodeDef& n = g_->node(i);
       for (int pos = 0; pos < n.input_size(); ++pos) {
