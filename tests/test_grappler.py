@@ -306,6 +306,40 @@ def test_fused_ops_between_transposes_take_their_nchw_form(keep):
         assert case["registered"] == ["CPU", "GPU"] and case["switch"] is None, case
 
 
+def test_second_order_graph_between_transposes_is_bitwise_equal():
+    # A gradient penalty (second order) through the NHWC fused op between Transposes: the
+    # gradient-of-gradient op reads the codes too, so it switches to NCHW with the forward.
+    r = run_case("""
+        scale = tf.constant(np.linspace(-1.5, 1.5, 6).reshape(1, 6, 1, 1), tf.float32)
+        def make():
+            def step(x):
+                with tf.GradientTape() as outer:
+                    outer.watch(x)
+                    with tf.GradientTape() as inner:
+                        inner.watch(x)
+                        y = tf_relupool.relu_max_pool2d(tf.transpose(x * scale, [0, 2, 3, 1]),
+                                                        3, 2, "SAME")
+                        y = tf.transpose(y, [0, 3, 1, 2])
+                        loss = tf.reduce_sum(y * y)
+                    g = inner.gradient(loss, x)
+                    penalty = tf.reduce_sum(g * g * scale)
+                return loss, g, outer.gradient(penalty, x)
+            return step
+        x = tf.random.stateless_normal([2, 6, 9, 8], seed=[3, 4])
+        tf.config.optimizer.set_experimental_options({"use_plugin_optimizers": False})
+        off, off_ops = ran_ops(tf.function(make()), x)
+        tf.config.optimizer.set_experimental_options({"use_plugin_optimizers": True})
+        grappler.reset_stats()
+        on, on_ops = ran_ops(tf.function(make()), x)
+        st = grappler.stats()
+        print(json.dumps(dict(same=all(bits_equal(a.numpy(), b.numpy()) for a, b in zip(off, on)),
+                              off_ops=off_ops, on_ops=on_ops, stats=st)))
+    """)
+    assert "ReluMaxPoolGradGradFromWindowArgmax" in r["on_ops"], r["on_ops"]
+    assert r["stats"]["nchw_ops"] >= 3 and r["stats"]["errors"] == 0, r["stats"]
+    assert r["same"]
+
+
 def test_environment_opt_out():
     r = run_case("""
         tf_relupool.enable_recompute()
