@@ -88,11 +88,11 @@ def main():
 def _graph_facts(nodes):
     """Fused ops (op/format), stock pooling left, Transposes next to a fused op."""
     by_name = {n.name: n for n in nodes}
-    readers = {}
+    readers = {}  # node name -> the nodes reading its output 0
     for n in nodes:
         for i in n.input:
-            readers.setdefault(i.lstrip("^").split(":")[0] + ("" if i.startswith("^") else
-                               ":" + (i.split(":")[1] if ":" in i else "0")), []).append(n)
+            if not i.startswith("^") and (":" not in i or i.endswith(":0")):
+                readers.setdefault(i.split(":")[0], []).append(n)
     facts = {"fused": {}, "stock_pools": 0, "transposes": 0, "transposes_next_to_pools": 0}
     for n in nodes:
         if n.op == "Transpose":
@@ -107,7 +107,7 @@ def _graph_facts(nodes):
         # Transposes feeding a pooling op (fused or stock) or reading its output 0.
         near = [by_name[i.split(":")[0]] for i in n.input
                 if not i.startswith("^") and i.split(":")[0] in by_name]
-        near += readers.get(n.name + ":0", [])
+        near += readers.get(n.name, [])
         facts["transposes_next_to_pools"] += sum(m.op == "Transpose" for m in near)
     return facts
 

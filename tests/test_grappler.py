@@ -72,15 +72,19 @@ PRELUDE = textwrap.dedent("""
         same = all(bits_equal(a, b) for a, b in zip(tf.nest.flatten(off), tf.nest.flatten(on)))
         return same, off_ops, on_ops, st
 
-    def ran_ops(fn, *args):
+    def ran_nodes(fn, *args):
+        # fn's outputs and the nodes of the graphs it ran (after Grappler)
         from tensorflow.python.eager import context
         ctx = context.context()
         ctx.enable_graph_collection()
         out = fn(*args)
         meta = ctx.export_run_metadata()
         ctx.disable_graph_collection()
-        ops = sorted({n.op for g in meta.function_graphs for n in g.post_optimization_graph.node})
-        return out, ops
+        return out, [n for g in meta.function_graphs for n in g.post_optimization_graph.node]
+
+    def ran_ops(fn, *args):
+        out, nodes = ran_nodes(fn, *args)
+        return out, sorted({n.op for n in nodes})
 """)
 
 
@@ -250,15 +254,6 @@ def test_fused_ops_between_transposes_take_their_nchw_form(keep):
                 return loss, tape.gradient(loss, x)
             return step
 
-        def graph_of(fn, *args):
-            from tensorflow.python.eager import context
-            ctx = context.context()
-            ctx.enable_graph_collection()
-            out = fn(*args)
-            meta = ctx.export_run_metadata()
-            ctx.disable_graph_collection()
-            return out, [n for g in meta.function_graphs for n in g.post_optimization_graph.node]
-
         def next_to_fused(nodes):
             # ops feeding each fused op, or reading its output 0
             by_name = {{n.name: n for n in nodes}}
@@ -281,11 +276,11 @@ def test_fused_ops_between_transposes_take_their_nchw_form(keep):
             # Baseline: plugin optimizers off (RewriterConfig.use_plugin_optimizers). Then the
             # pass, with the switch off: the layout part runs wherever fused ops are.
             tf.config.optimizer.set_experimental_options({{"use_plugin_optimizers": False}})
-            off, off_nodes = graph_of(tf.function(make_fn(ksize, strides, padding, dtype),
+            off, off_nodes = ran_nodes(tf.function(make_fn(ksize, strides, padding, dtype),
                                                   input_signature=sig), x)
             tf.config.optimizer.set_experimental_options({{"use_plugin_optimizers": True}})
             grappler.reset_stats()
-            on, on_nodes = graph_of(tf.function(make_fn(ksize, strides, padding, dtype),
+            on, on_nodes = ran_nodes(tf.function(make_fn(ksize, strides, padding, dtype),
                                                 input_signature=sig), x)
             st = grappler.stats()
             results.append(dict(

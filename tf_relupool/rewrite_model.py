@@ -203,28 +203,32 @@ class _Rewriter:
             if n.operation is not None:
                 calls[id(n.operation)] = calls.get(id(n.operation), 0) + 1
 
+        def single_producer(t):
+            """The layer and node of this model that made `t` from one input into one output,
+            or (None, None)."""
+            op, node_index, _ = t._keras_history
+            if op is None or len(op._inbound_nodes) <= node_index:
+                return None, None
+            producer = op._inbound_nodes[node_index]
+            if id(producer) not in node_ids or producer.is_input or \
+                    len(producer.input_tensors) != 1 or len(producer.outputs) != 1:
+                return None, None
+            return op, producer
+
         fused_pools, fused_producers = {}, {}  # id(node) -> producer node / kind
         for n in nodes:
             if n.operation is None or n.is_input or len(n.input_tensors) != 1:
                 continue
             t = n.input_tensors[0]
-            op, node_index, _ = t._keras_history
-            if op is None or len(op._inbound_nodes) <= node_index:
-                continue
-            producer = op._inbound_nodes[node_index]
-            if id(producer) not in node_ids or producer.is_input or \
-                    len(producer.input_tensors) != 1 or len(producer.outputs) != 1:
+            op, producer = single_producer(t)
+            if producer is None:
                 continue
             pad, pad_consumers = None, 1
             if isinstance(op, keras.layers.ZeroPadding2D):  # ReLU -> ZeroPadding2D -> pool
                 pad, pad_consumers = op, consumers.get(id(t), 0)
                 t = producer.input_tensors[0]
-                op, node_index, _ = t._keras_history
-                if op is None or len(op._inbound_nodes) <= node_index:
-                    continue
-                producer = op._inbound_nodes[node_index]
-                if id(producer) not in node_ids or producer.is_input or \
-                        len(producer.input_tensors) != 1 or len(producer.outputs) != 1:
+                op, producer = single_producer(t)
+                if producer is None:
                     continue
             where = "" if consumers.get(id(t), 0) == 1 else " (it feeds several layers or is " \
                 "a model output)"

@@ -265,7 +265,76 @@ struct Window {
   bool operator==(const Window& o) const { return ksize == o.ksize && strides == o.strides; }
 };
 
-class Rewriter {
+// What both passes below need: the graph, its node index, the nodes to preserve, the log,
+// constant inputs, and names for new nodes.
+class GraphPass {
+ protected:
+  GraphPass(GraphDef* graph, const std::unordered_set<std::string>* preserve,
+            std::vector<std::string>* log)
+      : g_(graph), preserve_(preserve), log_(log) {}
+
+  void IndexNames() {
+    index_.reserve(g_->node_size());
+    for (int i = 0; i < g_->node_size(); ++i) index_[g_->node(i).name()] = i;
+  }
+  const NodeDef& node(int i) const { return g_->node(i); }
+  int Find(const std::string& name) const {
+    auto it = index_.find(name);
+    return it == index_.end() ? -1 : it->second;
+  }
+  bool Preserved(const std::string& name) const {
+    return preserve_ != nullptr && preserve_->count(name);
+  }
+  bool Preserved(int i) const { return Preserved(node(i).name()); }
+
+  void Log(const std::string& text) {
+    if (log_ != nullptr) log_->push_back(text);
+    if (g_verbose.load()) LOG(INFO) << "tf_relupool grappler: " << text;
+  }
+
+  // The tensor of a Const node feeding `input` (false if it is none).
+  bool ConstInput(const std::string& input, tensorflow::Tensor* out) const {
+    if (IsControl(input)) return false;
+    const Input in = ParseInput(input);
+    const int i = Find(in.node);
+    if (i < 0 || in.index != 0 || node(i).op() != "Const") return false;
+    const AttrValue* v = Attr(node(i), "value");
+    return v != nullptr && out->FromProto(v->tensor());
+  }
+
+  // The integers of a 1-D int32/int64 Const feeding `input`.
+  bool ConstInts(const std::string& input, std::vector<int64_t>* out) const {
+    tensorflow::Tensor t;
+    if (!ConstInput(input, &t) || t.dims() != 1) return false;
+    out->clear();
+    if (t.dtype() == tensorflow::DT_INT32) {
+      for (int64_t i = 0; i < t.NumElements(); ++i) out->push_back(t.flat<int32_t>()(i));
+    } else if (t.dtype() == tensorflow::DT_INT64) {
+      for (int64_t i = 0; i < t.NumElements(); ++i) out->push_back(t.flat<int64_t>()(i));
+    } else {
+      return false;
+    }
+    return true;
+  }
+
+  // `base`, or `base_N`, unused by the graph and by earlier calls.
+  std::string UniqueName(const std::string& base) {
+    std::string name = base;
+    for (int i = 1; index_.count(name) || added_names_.count(name); ++i)
+      name = base + "_" + std::to_string(i);
+    added_names_.insert(name);
+    return name;
+  }
+
+  GraphDef* g_;
+  const std::unordered_set<std::string>* preserve_;
+  std::vector<std::string>* log_;
+  std::unordered_map<std::string, int> index_;
+  std::unordered_set<std::string> added_names_;
+  std::vector<NodeDef> added_;  // new nodes, appended to the graph at the end
+};
+
+class Rewriter : public GraphPass {
  public:
   // mode: kArgmax or kInput. preserve: node names that must survive (may be null).
   // default_device_type: the device type assumed for nodes with no device ("" inside Grappler,
@@ -273,10 +342,8 @@ class Rewriter {
   // log: if not null, every fusion and refusal is appended to it as one line.
   Rewriter(GraphDef* graph, int mode, const std::unordered_set<std::string>* preserve,
            const std::string& default_device_type = "", std::vector<std::string>* log = nullptr)
-      : g_(graph), mode_(mode), preserve_(preserve), default_device_type_(default_device_type),
-        log_(log) {
-    index_.reserve(g_->node_size());
-    for (int i = 0; i < g_->node_size(); ++i) index_[g_->node(i).name()] = i;
+      : GraphPass(graph, preserve, log), mode_(mode), default_device_type_(default_device_type) {
+    IndexNames();
   }
 
   // Counters of this run (enum Stat indices; only the fusion/refusal ones are used).
@@ -335,8 +402,6 @@ class Rewriter {
     std::vector<std::pair<int, int>> shape_users;  // Shape nodes reading the ReLU (node, input)
   };
 
-  const NodeDef& node(int i) const { return g_->node(i); }
-
   // Data consumers of the nodes a pattern can involve.
   void IndexConsumers() {
     static const std::unordered_set<std::string> kOps = {
@@ -357,22 +422,11 @@ class Rewriter {
       }
     }
   }
-  int Find(const std::string& name) const {
-    auto it = index_.find(name);
-    return it == index_.end() ? -1 : it->second;
-  }
   const std::vector<std::pair<int, int>>& Consumers(const std::string& name, int port) const {
     static const std::vector<std::pair<int, int>> kNone;
     auto it = consumers_.find(name + ":" + std::to_string(port));
     return it == consumers_.end() ? kNone : it->second;
   }
-  bool Preserved(int i) const { return preserve_ != nullptr && preserve_->count(node(i).name()); }
-
-  void Log(const std::string& text) {
-    if (log_ != nullptr) log_->push_back(text);
-    if (g_verbose.load()) LOG(INFO) << "tf_relupool grappler: " << text;
-  }
-
   // Counts and explains a candidate left alone; returns false.
   bool Skip(const std::string& what, const std::string& why) {
     stats[kNotFused]++;
@@ -400,31 +454,6 @@ class Rewriter {
     const std::string type = DeviceTypeOf(n);
     if (type.empty()) return false;
     return tensorflow::KernelDefAvailable(tensorflow::DeviceType(type), n);
-  }
-
-  // The tensor of a Const node feeding `input` (false if it is none).
-  bool ConstInput(const std::string& input, tensorflow::Tensor* out) const {
-    if (IsControl(input)) return false;
-    const Input in = ParseInput(input);
-    const int i = Find(in.node);
-    if (i < 0 || in.index != 0 || node(i).op() != "Const") return false;
-    const AttrValue* v = Attr(node(i), "value");
-    return v != nullptr && out->FromProto(v->tensor());
-  }
-
-  // The integers of a 1-D int32/int64 Const feeding `input`.
-  bool ConstInts(const std::string& input, std::vector<int64_t>* out) const {
-    tensorflow::Tensor t;
-    if (!ConstInput(input, &t) || t.dims() != 1) return false;
-    out->clear();
-    if (t.dtype() == tensorflow::DT_INT32) {
-      for (int64_t i = 0; i < t.NumElements(); ++i) out->push_back(t.flat<int32_t>()(i));
-    } else if (t.dtype() == tensorflow::DT_INT64) {
-      for (int64_t i = 0; i < t.NumElements(); ++i) out->push_back(t.flat<int64_t>()(i));
-    } else {
-      return false;
-    }
-    return true;
   }
 
   // The window of a pool or pool-gradient node, or the reason it cannot be fused.
@@ -808,14 +837,6 @@ class Rewriter {
     }
   }
 
-  std::string UniqueName(const std::string& base) {
-    std::string name = base;
-    for (int i = 1; index_.count(name) || added_names_.count(name); ++i)
-      name = base + "_" + std::to_string(i);
-    added_names_.insert(name);
-    return name;
-  }
-
   void Apply(const Plan& p) {
     NodeDef fwd;
     BuildForward(p, &fwd);
@@ -929,17 +950,11 @@ class Rewriter {
     for (NodeDef& n : added_) *g_->add_node() = std::move(n);
   }
 
-  GraphDef* g_;
   int mode_;
-  const std::unordered_set<std::string>* preserve_;
   std::string default_device_type_;
-  std::vector<std::string>* log_;
-  std::unordered_map<std::string, int> index_;
   std::unordered_map<std::string, std::vector<std::pair<int, int>>> consumers_;
   std::unordered_set<std::string> has_port_gt0_;
   std::unordered_map<std::string, std::string> removed_;  // removed node -> its replacement
-  std::unordered_set<std::string> added_names_;
-  std::vector<NodeDef> added_;
 };
 
 // ---- Layout: the fused ops' own NCHW form instead of TF's layout-optimizer transposes ----
@@ -954,11 +969,11 @@ class Rewriter {
 // fused forward and the ops reading its window_argmax codes switch together (the codes follow
 // the layout). Any input or consumer that is not such a Transpose gets one (exact: transposes
 // move values); a Transpose left without consumers is removed.
-class TransposeFolder {
+class TransposeFolder : public GraphPass {
  public:
   TransposeFolder(GraphDef* graph, const std::unordered_set<std::string>* preserve,
                   std::vector<std::string>* log)
-      : g_(graph), preserve_(preserve), log_(log) {}
+      : GraphPass(graph, preserve, log) {}
 
   int64_t removed_transposes = 0;
 
@@ -978,8 +993,7 @@ class TransposeFolder {
     for (int i : starts)
       reads_transpose = reads_transpose || transposes.count(InputNode(ActivationInput(node(i))));
     if (!reads_transpose) return 0;
-    index_.reserve(g_->node_size());
-    for (int i = 0; i < g_->node_size(); ++i) index_[g_->node(i).name()] = i;
+    IndexNames();
     bool any_start = false;
     for (int i : starts) any_start = any_start || FromNchw(ActivationInput(node(i))) != "";
     if (!any_start) return 0;  // the usual case off a GPU: no consumer index needed
@@ -1040,19 +1054,6 @@ class TransposeFolder {
     return "";
   }
 
-  const NodeDef& node(int i) const { return g_->node(i); }
-  int Find(const std::string& name) const {
-    auto it = index_.find(name);
-    return it == index_.end() ? -1 : it->second;
-  }
-  bool Preserved(const std::string& name) const {
-    return preserve_ != nullptr && preserve_->count(name);
-  }
-  void Log(const std::string& text) {
-    if (log_ != nullptr) log_->push_back(text);
-    if (g_verbose.load()) LOG(INFO) << "tf_relupool grappler: " << text;
-  }
-
   void IndexConsumers() {
     for (int i = 0; i < g_->node_size(); ++i) {
       const NodeDef& n = g_->node(i);
@@ -1065,20 +1066,8 @@ class TransposeFolder {
 
   // Whether the 1-D constant `input` holds exactly `perm`.
   bool IsPerm(const std::string& input, const std::vector<int64_t>& perm) const {
-    const Input in = ParseInput(input);
-    const int i = Find(in.node);
-    if (i < 0 || in.index != 0 || node(i).op() != "Const") return false;
-    const AttrValue* v = Attr(node(i), "value");
-    tensorflow::Tensor t;
-    if (v == nullptr || !t.FromProto(v->tensor()) || t.dims() != 1 || t.NumElements() != 4)
-      return false;
-    for (int k = 0; k < 4; ++k) {
-      const int64_t x = t.dtype() == tensorflow::DT_INT32   ? t.flat<int32_t>()(k)
-                        : t.dtype() == tensorflow::DT_INT64 ? t.flat<int64_t>()(k)
-                                                            : -1;
-      if (x != perm[k]) return false;
-    }
-    return true;
+    std::vector<int64_t> values;
+    return ConstInts(input, &values) && values == perm;
   }
   bool IsTranspose(const NodeDef& n, const std::vector<int64_t>& perm) const {
     const std::vector<std::string> in = DataInputs(n);
@@ -1120,17 +1109,10 @@ class TransposeFolder {
     return true;
   }
 
-  std::string NewName(const std::string& base) {
-    std::string name = base;
-    for (int i = 1; index_.count(name) || added_names_.count(name); ++i)
-      name = base + "_" + std::to_string(i);
-    added_names_.insert(name);
-    return name;
-  }
   std::string PermConst(const std::string& base, const std::string& device,
                         const std::vector<int32_t>& perm) {
     NodeDef c;
-    c.set_name(NewName(base));
+    c.set_name(UniqueName(base));
     c.set_op("Const");
     c.set_device(device);
     (*c.mutable_attr())["dtype"].set_type(tensorflow::DT_INT32);
@@ -1143,7 +1125,7 @@ class TransposeFolder {
   std::string AddTranspose(const std::string& base, const std::string& x, tensorflow::DataType t,
                            const std::string& device, const std::vector<int32_t>& perm) {
     NodeDef n;
-    n.set_name(NewName(base));
+    n.set_name(UniqueName(base));
     n.set_op("Transpose");
     n.set_device(device);
     n.add_input(x);
@@ -1162,7 +1144,7 @@ class TransposeFolder {
       const std::string x = FromNchw(DataInputs(node(i))[0]);
       if (!x.empty()) {  // Shape(Transpose(x)) -> Shape(x)
         NodeDef s = node(i);
-        s.set_name(NewName(node(i).name() + "/nchw"));
+        s.set_name(UniqueName(node(i).name() + "/nchw"));
         s.set_device(op.device());
         s.clear_input();
         s.add_input(x);
@@ -1172,7 +1154,7 @@ class TransposeFolder {
       }
     }
     NodeDef p;  // a permutation of the 4 entries, on any device (host memory on a GPU)
-    p.set_name(NewName(op.name() + "/input_shape_nchw"));
+    p.set_name(UniqueName(op.name() + "/input_shape_nchw"));
     p.set_op("DataFormatVecPermute");
     p.set_device(op.device());
     p.add_input(input);
@@ -1318,16 +1300,10 @@ class TransposeFolder {
     nodes->DeleteSubrange(kept, nodes->size() - kept);
   }
 
-  GraphDef* g_;
-  const std::unordered_set<std::string>* preserve_;
-  std::vector<std::string>* log_;
-  std::unordered_map<std::string, int> index_;
   std::unordered_map<std::string, std::vector<std::pair<int, int>>> consumers_;  // all inputs
   std::unordered_map<std::string, std::string> removed_;  // Transpose -> the fused op
   std::vector<std::string> touched_;  // inputs (Transposes) the fused ops stopped reading
   std::unordered_set<std::string> unit_;  // names of the ops being converted together
-  std::unordered_set<std::string> added_names_;
-  std::vector<NodeDef> added_;
 };
 
 // Every input of every node names a node of the graph ("" when so, else the first problem).
