@@ -6,6 +6,8 @@
 #   bench    benchmarks/bench_ops.py --device gpu: op speed vs stock -> bench_gpu.md
 #   memory   benchmarks/memory_report.py on the GPU (MEMORY_ARGS)   -> gpu_memory.md
 #   grappler benchmarks/grappler_gpu.py: the pass on the GPU       -> grappler_gpu.txt
+#   breakdown benchmarks/memory_breakdown.py per BREAKDOWN_RUNS ("model:config ...", default
+#            "simple:default"), raw profiles kept          -> breakdown/, breakdown.txt
 #   order    benchmarks/mixed_precision_order.py (ORDER_ARGS)      -> mixed_precision_order.txt
 #   harness  make gpu-check (TensorFlow-free kernel checks + table)  -> gpu_check.txt
 #   sanitize make gpu-sanitize (compute-sanitizer, small sizes)     -> gpu_sanitize.txt
@@ -36,6 +38,13 @@ for step in ${STEPS:-test bench}; do
       (cd /tmp && timeout ${GRAPPLER_TIMEOUT:-300} python3 "$ROOT/benchmarks/grappler_gpu.py") \
         > "$OUT/grappler_gpu.txt" 2>&1 || rc=1
       tail -30 "$OUT/grappler_gpu.txt" ;;
+    breakdown)
+      for mc in ${BREAKDOWN_RUNS:-simple:default}; do
+        (cd /tmp && timeout ${BREAKDOWN_TIMEOUT:-200} python3 "$ROOT/benchmarks/memory_breakdown.py" \
+          --device gpu --model ${mc%%:*} --config ${mc##*:} --keep "$OUT/breakdown" $BREAKDOWN_ARGS) \
+          >> "$OUT/breakdown.txt" 2>&1 || rc=1
+      done
+      grep -E "^###|in use at the peak" "$OUT/breakdown.txt" | tail -20 ;;
     order)
       (cd /tmp && timeout ${ORDER_TIMEOUT:-300} python3 "$ROOT/benchmarks/mixed_precision_order.py" $ORDER_ARGS) \
         > "$OUT/mixed_precision_order.txt" 2>&1 || rc=1

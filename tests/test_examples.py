@@ -331,6 +331,34 @@ def test_gpu_report_end_to_end_on_cpu(tmp_path):
     assert r["meta"]["device"]["kind"] == "cpu"
 
 
+BREAKDOWN = os.path.join(ROOT, "benchmarks", "memory_breakdown.py")
+
+
+def test_memory_breakdown_lists_what_is_live_at_the_peak(tmp_path):
+    """memory_breakdown.py: stock's peak holds conv1's ReLU output (kept for MaxPoolGrad), the
+    fused model's holds 1-byte codes and no ReLU output, and is lower; the raw profiles are kept
+    and --convert reads them back to the same tables."""
+    out, keep = tmp_path / "breakdown.md", tmp_path / "profiles"
+    p = run(BREAKDOWN, "--model", "simple", "--batch", "32", "--variants", "stock,argmax",
+            "--min-mib", "0.25", "--keep", str(keep), "--out", str(out), timeout=600)
+    assert p.returncode == 0, p.stderr[-4000:]
+    stock, fused = out.read_text().split("### ")[1:]
+    assert "conv1_1/Relu` | output | float | [32," in stock, stock
+    assert "ReluMaxPoolWithWindowArgmax` | output | uint8 |" in fused, fused
+    assert "conv1_1/Relu` | output" not in fused, fused
+
+    def in_use(text):
+        return float(text.split(" MiB in use at the peak")[0].rsplit(" ", 1)[1])
+    assert in_use(fused) < in_use(stock)
+    assert sorted(os.listdir(keep)) == ["simple-default-argmax.xplane.pb",
+                                        "simple-default-stock.xplane.pb"]
+    again = run(BREAKDOWN, "--convert", str(keep), "--min-mib", "0.25", timeout=300)
+    assert again.returncode == 0, again.stderr[-4000:]
+    assert [in_use(t) for t in again.stdout.split("### ")[1:]] == [in_use(fused), in_use(stock)]
+    bad = run(BREAKDOWN, "--variants", "stock,fast", timeout=60)
+    assert bad.returncode == 2 and "--variants: unknown variant 'fast'" in bad.stderr, bad.stderr
+
+
 # ---- real CIFAR-10 images: stock and fused train bitwise alike ----
 
 def _real_data_equality(tmp_path, limit, test_limit):
