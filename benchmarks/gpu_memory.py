@@ -29,7 +29,8 @@ measures, under each Grappler configuration asked for:
 Grappler configurations (--grappler, --search-grappler): "default" (TensorFlow's defaults), or
 "+"-joined changes: layout-off (tf.config.optimizer.set_experimental_options(
 {"layout_optimizer": False})), remapper-off ({"remapping": False}), workspace-0
-(TF_CUDNN_WORKSPACE_LIMIT_IN_MB=0: cuDNN algorithms without workspace).
+(TF_CUDNN_WORKSPACE_LIMIT_IN_MB=0: cuDNN algorithms without workspace), autotune-off
+(TF_CUDNN_USE_AUTOTUNE=0: cuDNN's heuristic algorithm, no autotuning in the first step).
 
 On a machine without a GPU, --device cpu runs the same measurements on the CPU's BFC allocator
 (TF_CPU_ALLOCATOR_USE_BFC=true); the CPU has no memory_limit, so there a trial fits when the
@@ -70,7 +71,7 @@ VARIANTS = {"stock": None, "argmax": "argmax", "input": "input", "switch": None}
 VARIANT_LABELS = {"stock": "stock", "argmax": "fused argmax", "input": "fused input",
                   "switch": "stock + enable_recompute()"}
 SWITCHED = {"switch": "argmax"}  # variants run with the switch on (Grappler pass), and its keep
-CONFIG_ITEMS = ("layout-off", "remapper-off", "workspace-0")
+CONFIG_ITEMS = ("layout-off", "remapper-off", "workspace-0", "autotune-off")
 MIB = 2.0 ** 20
 # Messages of errors that are out-of-memory in disguise (cuDNN or cuBLAS failing to allocate).
 OOM_HINTS = ("out of memory", "oom when allocating", "resource exhausted", "resourceexhausted",
@@ -88,11 +89,13 @@ class ReportError(RuntimeError):
 # Configurations and the search (no TensorFlow).
 # ---------------------------------------------------------------------------------------------
 def parse_config(name):
-    """A Grappler configuration name -> {"layout_optimizer", "remapper", "cudnn_workspace_mib"}.
+    """A Grappler configuration name -> {"layout_optimizer", "remapper", "cudnn_workspace_mib",
+    "cudnn_autotune"}.
 
     "default" is TensorFlow's defaults; otherwise "+"-joined items of CONFIG_ITEMS.
     ValueError for anything else."""
-    settings = {"layout_optimizer": None, "remapper": None, "cudnn_workspace_mib": None}
+    settings = {"layout_optimizer": None, "remapper": None, "cudnn_workspace_mib": None,
+                "cudnn_autotune": None}
     if name == "default":
         return settings
     items = name.split("+")
@@ -108,6 +111,8 @@ def parse_config(name):
         settings["remapper"] = False
     if "workspace-0" in items:
         settings["cudnn_workspace_mib"] = 0
+    if "autotune-off" in items:
+        settings["cudnn_autotune"] = False
     return settings
 
 
@@ -198,7 +203,8 @@ def classify_error(exc_type, message):
 def _start(args, memory_limit_mib=None):
     settings = parse_config(args.config)
     devices.prepare_environment(memory_limit_mib=memory_limit_mib,
-                                cudnn_workspace_mib=settings["cudnn_workspace_mib"])
+                                cudnn_workspace_mib=settings["cudnn_workspace_mib"],
+                                cudnn_autotune=settings["cudnn_autotune"])
     try:
         tf, dev = devices.setup(args.device,
                                 memory_limit_mib=memory_limit_mib if args.device != "cpu" else None,
@@ -567,7 +573,8 @@ def render(report, brief=False):
     if not brief:
         lines.append("Grappler: default = TensorFlow's defaults; layout-off = "
                      "`set_experimental_options({\"layout_optimizer\": False})`; remapper-off = "
-                     "`{\"remapping\": False}`; workspace-0 = `TF_CUDNN_WORKSPACE_LIMIT_IN_MB=0`.")
+                     "`{\"remapping\": False}`; workspace-0 = `TF_CUDNN_WORKSPACE_LIMIT_IN_MB=0`; "
+                     "autotune-off = `TF_CUDNN_USE_AUTOTUNE=0`.")
     return "\n".join(lines) + "\n"
 
 

@@ -90,9 +90,9 @@ def profile_steps(args):
     paths = {}
     for v in args.variants:
         model = gpu_memory.build_model(tf, args.model, v)
-        for _ in range(2):
+        for _ in range(args.warmup):
             gpu_memory._step(model, x, y, v)
-        name = f"{args.model}-{args.config}-{v}"
+        name = f"{args.model}-{args.config}-{v}" + ("-first-step" if args.warmup == 0 else "")
         logdir = tempfile.mkdtemp(prefix=f"{name}-")
         # Host tracing records the allocator's blocks; device (CUPTI) tracing is not needed.
         tf.profiler.experimental.start(logdir, options=tf.profiler.experimental.ProfilerOptions(
@@ -128,6 +128,9 @@ def parse_args(argv=None):
     p.add_argument("--batch", type=int, default=1024)
     p.add_argument("--variants", default="stock,argmax,switch",
                    type=lambda s: [v for v in s.split(",") if v])
+    p.add_argument("--warmup", type=int, default=2,
+                   help="steps before the profiled one (0: profile the first step, which traces, "
+                        "optimizes and autotunes)")
     p.add_argument("--keep", default=None, help="folder for the raw profiles (kept)")
     p.add_argument("--convert", default=None, help="only convert the profiles under this folder")
     p.add_argument("--min-mib", type=float, default=4.0, help="list blocks of at least this size")
@@ -138,6 +141,8 @@ def parse_args(argv=None):
             p.error(f"--variants: unknown variant {v!r} (known: {', '.join(gpu_memory.VARIANTS)})")
     if args.batch < 1:
         p.error("--batch must be positive")
+    if args.warmup < 0:
+        p.error("--warmup must be >= 0")
     return args
 
 
@@ -156,8 +161,9 @@ def main(argv=None):
         args.keep = args.keep or tempfile.mkdtemp(prefix="memory_breakdown-")
         os.makedirs(args.keep, exist_ok=True)
         dev, paths = profile_steps(args)
+        step = "first step" if args.warmup == 0 else f"step {args.warmup + 1}"
         titles = {f"{args.model}, {args.config}, {gpu_memory.VARIANT_LABELS[v]}, batch "
-                  f"{args.batch}, {dev.name}": path for v, path in paths.items()}
+                  f"{args.batch}, {step}, {dev.name}": path for v, path in paths.items()}
         text = convert(titles, args.min_mib)
         if text is None:
             text = (f"no profile converter in this TensorFlow; raw profiles kept under "

@@ -49,13 +49,15 @@ class Device:
                 "memory_limit_mib": self.memory_limit_mib, "grappler": self.grappler}
 
 
-def prepare_environment(memory_limit_mib=None, cudnn_workspace_mib=None):
+def prepare_environment(memory_limit_mib=None, cudnn_workspace_mib=None, cudnn_autotune=None):
     """Sets what TensorFlow reads when it starts. Call before TensorFlow is imported.
 
     - TF_CPU_ALLOCATOR_USE_BFC=true (unless already set): allocator statistics on the CPU.
     - With a GPU memory limit: TF_FORCE_GPU_ALLOW_GROWTH removed (growth and a fixed limit are
       alternatives; with the variable set the limit is not what the process gets).
     - TF_CUDNN_WORKSPACE_LIMIT_IN_MB when given (0: cuDNN algorithms without workspace).
+    - TF_CUDNN_USE_AUTOTUNE=0 when cudnn_autotune is False (cuDNN's heuristic choice: no timing
+      of candidate algorithms, and none of the scratch buffers it needs, in the first step).
     """
     os.environ.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "true")
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -63,6 +65,8 @@ def prepare_environment(memory_limit_mib=None, cudnn_workspace_mib=None):
         os.environ.pop("TF_FORCE_GPU_ALLOW_GROWTH", None)
     if cudnn_workspace_mib is not None:
         os.environ["TF_CUDNN_WORKSPACE_LIMIT_IN_MB"] = str(int(cudnn_workspace_mib))
+    if cudnn_autotune is False:
+        os.environ["TF_CUDNN_USE_AUTOTUNE"] = "0"
     return os.environ
 
 
