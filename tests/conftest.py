@@ -62,10 +62,20 @@ def _spatial_pair(value, data_format):
     return tuple(value[1:3]) if data_format == "NHWC" else tuple(value[2:4])
 
 
-def window_bounds(size, k, s, padding):
+def nhwc_padding(padding, data_format):
+    """A padding argument of pool_cases in the form for an NHWC call (explicit pairs reordered)."""
+    if isinstance(padding, str) or data_format == "NHWC":
+        return padding
+    return [padding[0], padding[2], padding[3], padding[1]]
+
+
+def window_bounds(size, k, s, padding, pads=(0, 0)):
     """First and last + 1 input index of each pooling window along one axis, clipped to the input
-    (TensorFlow's VALID/SAME output sizes and SAME padding before = total // 2)."""
-    if padding == "VALID":
+    (TensorFlow's VALID/SAME output sizes and SAME padding before = total // 2; explicit padding:
+    `pads` = (before, after))."""
+    if not isinstance(padding, str):
+        out, before = max(0, (size + pads[0] + pads[1] - k) // s + 1), pads[0]
+    elif padding == "VALID":
         out, before = max(0, -(-(size - k + 1) // s)), 0
     else:
         out = -(-size // s)
@@ -83,8 +93,9 @@ def all_nan_windows(z, ksize, strides, padding, data_format):
         z = z.transpose(0, 2, 3, 1)
     (kh, kw), (sh, sw) = _spatial_pair(ksize, data_format), _spatial_pair(strides, data_format)
     n, h, w, c = z.shape
-    r0, r1 = window_bounds(h, kh, sh, padding)
-    c0, c1 = window_bounds(w, kw, sw, padding)
+    pads = nhwc_padding(padding, data_format)
+    r0, r1 = window_bounds(h, kh, sh, padding, pads[1] if not isinstance(pads, str) else (0, 0))
+    c0, c1 = window_bounds(w, kw, sw, padding, pads[2] if not isinstance(pads, str) else (0, 0))
     table = np.zeros([n, h + 1, w + 1, c], np.int64)
     table[:, 1:, 1:] = (~np.isnan(z.astype(np.float64))).cumsum(1).cumsum(2)
     numbers = (table[:, r1[:, None], c1[None, :]] - table[:, r0[:, None], c1[None, :]]
@@ -144,7 +155,8 @@ def stock_forward_and_grad(z, dy, ksize, strides, padding, data_format, defined=
         with tf.GradientTape() as tape:
             tape.watch(z)
             y = from_nhwc(tf.nn.max_pool2d(tf.nn.relu(to_nhwc(z, data_format)), ksize4, strides4,
-                                           padding, data_format="NHWC"), data_format)
+                                           nhwc_padding(padding, data_format),
+                                           data_format="NHWC"), data_format)
         dz = tape.gradient(y, z, output_gradients=dy) if dy is not None else None
     if defined:
         y = tf.constant(defined_pool_output(y, z, ksize, strides, padding, data_format), y.dtype)
@@ -167,7 +179,7 @@ SPECIALS = [0.0, -0.0, np.inf, -np.inf, np.nan]
 def pool_cases(draw, dtypes=DTYPES, allow_nan=True, max_spatial=9):
     """A random pooling configuration with data full of ties, non-positive windows and specials."""
     data_format = draw(st.sampled_from(["NHWC", "NCHW"]))
-    padding = draw(st.sampled_from(["VALID", "SAME"]))
+    padding = draw(st.sampled_from(["VALID", "SAME", "EXPLICIT"]))
     dtype = draw(st.sampled_from(dtypes))
     n = draw(st.integers(0, 3) if draw(st.integers(0, 9)) == 0 else st.integers(1, 3))
     c = draw(st.integers(0, 4) if draw(st.integers(0, 9)) == 0 else st.integers(1, 4))
@@ -179,12 +191,23 @@ def pool_cases(draw, dtypes=DTYPES, allow_nan=True, max_spatial=9):
     form = draw(st.sampled_from(["int", "pair", "four"]))
     if form == "int":
         ksize, strides = kh, sh
+        kw, sw = kh, sh  # the window the call gets
     elif form == "pair":
         ksize, strides = [kh, kw], [sh, sw]
     else:
         ksize = [1, kh, kw, 1] if data_format == "NHWC" else [1, 1, kh, kw]
         strides = [1, sh, sw, 1] if data_format == "NHWC" else [1, 1, sh, sw]
     shape = [n, h, w, c] if data_format == "NHWC" else [n, c, h, w]
+    if padding == "EXPLICIT":
+        # tf.nn.max_pool2d's explicit form: (before, after) per dimension, each below the window.
+        # Stock refuses an input that does not fill one window with its padding ("output size
+        # would be negative"): then pad as much as allowed.
+        rows = [draw(st.integers(0, kh - 1)), draw(st.integers(0, kh - 1))]
+        cols = [draw(st.integers(0, kw - 1)), draw(st.integers(0, kw - 1))]
+        rows = rows if h + sum(rows) >= kh else [kh - 1, kh - 1]
+        cols = cols if w + sum(cols) >= kw else [kw - 1, kw - 1]
+        padding = ([[0, 0], rows, cols, [0, 0]] if data_format == "NHWC"
+                   else [[0, 0], [0, 0], rows, cols])
     seed = draw(st.integers(0, 2**31 - 1))
     rng = np.random.default_rng(seed)
     # Small integers: many ties and many windows with no positive value.

@@ -24,7 +24,13 @@ ATTRS = dict(ksize=[1, 2, 2, 1], strides=[1, 2, 2, 1], padding="VALID")
     (dict(strides=0), "strides"),
     (dict(strides=[3, 1, 1, 1]), "strides"),
     (dict(padding="FULL"), "padding"),
-    (dict(padding=[[0, 0], [1, 1], [1, 1], [0, 0]]), "padding"),
+    (dict(padding=[[1, 0], [1, 1], [1, 1], [0, 0]]), "padding"),   # the batch padded
+    (dict(padding=[[0, 0], [0, 0], [0, 0], [0, 1]]), "padding"),   # the channels padded
+    (dict(padding=[[0, 0], [2, 0], [0, 0], [0, 0]]), "padding"),   # not below the window (2)
+    (dict(padding=[[0, 0], [0, -1], [0, 0], [0, 0]]), "padding"),
+    (dict(padding=[[0, 0], [1], [0, 0], [0, 0]]), "padding"),
+    (dict(padding=[[0, 0], [1, 1], [1, 1]]), "padding"),
+    (dict(padding=[[0, 0], [0.5, 0], [0, 0], [0, 0]]), "padding"),
     (dict(data_format="NCDHW"), "data_format"),
     (dict(input=tf.zeros([1, 4, 4, 2], tf.int32)), "dtype"),
     (dict(keep="relu"), "keep"),
@@ -55,6 +61,17 @@ def _raises(match, fn, *args, **kwargs):
     (dict(ksize=[1, 2**40, 2, 1]), r"ksize\[1\] = 1099511627776 is too large"),
     (dict(strides=[1, 2, 2**35, 1]), r"strides\[2\] = 34359738368 is too large"),
     (dict(padding="FULL"), "padding"),
+    (dict(padding="EXPLICIT"), "explicit_paddings must have 8 elements"),
+    (dict(padding="EXPLICIT", explicit_paddings=[0, 0, 1, 1, 1, 1, 0, 0, 0]),
+     "explicit_paddings must have 8 elements"),
+    (dict(padding="EXPLICIT", explicit_paddings=[0, 1, 0, 0, 0, 0, 0, 0]),
+     r"explicit_paddings\[1\] = 1: the batch and channel dimensions cannot be padded"),
+    (dict(padding="EXPLICIT", explicit_paddings=[0, 0, 0, 2, 0, 0, 0, 0]),
+     r"explicit_paddings\[3\] = 2 must be smaller than the window size 2"),
+    (dict(padding="EXPLICIT", explicit_paddings=[0, 0, 0, 0, -1, 0, 0, 0]),
+     r"explicit_paddings\[4\] = -1 must be >= 0"),
+    (dict(padding="VALID", explicit_paddings=[0, 0, 1, 1, 1, 1, 0, 0]),
+     "explicit_paddings must be empty unless padding is EXPLICIT"),
 ])
 def test_raw_ops_reject_bad_attributes(lib, attrs, name):
     a = dict(ATTRS, **attrs)
@@ -63,6 +80,17 @@ def test_raw_ops_reject_bad_attributes(lib, attrs, name):
     _raises(name, lib.relu_max_pool_grad, Z, tf.zeros([1, 2, 2, 2]), **a)
     _raises(name, lib.relu_max_pool_grad_from_window_argmax, [1, 4, 4, 2], tf.zeros([1, 2, 2, 2]),
             tf.zeros([1, 2, 2, 2], tf.uint8), **a)
+
+
+def test_explicit_padding_of_an_empty_input_that_leaves_padding_only_windows(lib):
+    """Stock MaxPool fills windows made of padding alone with the lowest value; the fused ops
+    refuse them (InvalidArgumentError), and accept the same padding when the input has rows."""
+    a = dict(ksize=[1, 2, 2, 1], strides=[1, 1, 1, 1], padding="EXPLICIT",
+             explicit_paddings=[0, 0, 1, 1, 0, 0, 0, 0])
+    _raises("input has no rows but explicit_paddings make windows of padding only",
+            lib.relu_max_pool, tf.zeros([1, 0, 4, 2]), **a)
+    assert lib.relu_max_pool(tf.zeros([1, 1, 4, 2]), **a).shape == [1, 2, 3, 2]
+    assert lib.relu_max_pool(tf.zeros([0, 0, 4, 2]), **a).shape == [0, 1, 3, 2]  # no windows
 
 
 def test_raw_ops_reject_wrong_rank(lib):

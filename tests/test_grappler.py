@@ -267,10 +267,12 @@ def test_fused_ops_between_transposes_take_their_nchw_form(keep):
                                   if n.op.startswith("ReluMaxPool")}})
 
         results = []
+        explicit = [[0, 0], [1, 0], [0, 2], [0, 0]]  # NHWC pairs: permuted with the format
         for ksize, strides, padding, dtype, batch in [(2, 2, "VALID", "float32", 3),
                                                       (3, 2, "SAME", "bfloat16", None),
                                                       (3, 1, "SAME", "float16", 3),
-                                                      (2, 3, "VALID", "float64", None)]:
+                                                      (2, 3, "VALID", "float64", None),
+                                                      (3, 2, explicit, "float32", None)]:
             sig = [tf.TensorSpec([batch, 5, 9, 7], dtype)]
             x = tf.cast(tf.random.stateless_normal([3, 5, 9, 7], seed=[ksize, strides]), dtype)
             # Baseline: plugin optimizers off (RewriterConfig.use_plugin_optimizers). Then the
@@ -416,6 +418,8 @@ def test_maxpool_v2_and_relu_pad_maxpool_are_fused_and_bitwise_equal(keep):
             pad_positive_value=dict(pad_value=0.5, ksize=2, strides=2),
             pad_maxpool_v2=dict(v2=True, ksize=3, strides=2, padding="VALID"),
             pad_fused_conv=dict(bias=tf.constant(np.linspace(-0.5, 0.5, 8), tf.float32)),
+            explicit=dict(pad=False, ksize=3, strides=2,
+                          padding=[[0, 0], [1, 0], [0, 2], [0, 0]]),  # MaxPool's own padding
         )
         out = {{}}
         for name, kw in cases.items():

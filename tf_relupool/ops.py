@@ -45,12 +45,40 @@ def _window_attr(value, name, data_format):
     return [1] + spatial + [1] if data_format == "NHWC" else [1, 1] + spatial
 
 
+def _padding_attrs(padding, ksize, data_format):
+    """padding in tf.nn.max_pool2d's forms -> (padding attr, explicit_paddings attr).
+
+    "VALID" / "SAME", or explicit padding: 4 (before, after) pairs in data_format order, zero on
+    the batch and channel dimensions, each spatial one smaller than the window along it (as
+    MaxPool requires)."""
+    if isinstance(padding, str):
+        if padding.upper() not in ("VALID", "SAME"):
+            raise ValueError(f"padding must be 'VALID', 'SAME' or a list of 4 (before, after) "
+                             f"pairs, got {padding!r}")
+        return padding.upper(), []
+    def is_int(v):
+        return isinstance(v, (int, np.integer)) and not isinstance(v, bool)
+    if (not isinstance(padding, (list, tuple)) or len(padding) != 4 or
+            not all(isinstance(p, (list, tuple)) and len(p) == 2 and all(map(is_int, p))
+                    for p in padding)):
+        raise ValueError(f"padding must be 'VALID', 'SAME' or a list of 4 (before, after) pairs "
+                         f"of ints, got {padding!r}")
+    pairs = [[int(a), int(b)] for a, b in padding]
+    outer = (0, 3) if data_format == "NHWC" else (0, 1)
+    if any(pairs[d] != [0, 0] for d in outer):
+        raise ValueError(f"padding must be [0, 0] on the batch and channel dimensions, "
+                         f"got {padding!r}")
+    for d in range(4):
+        if d not in outer and any(v < 0 or v >= ksize[d] for v in pairs[d]):
+            raise ValueError(f"padding {pairs[d]} of dimension {d} must be >= 0 and smaller than "
+                             f"the window size {ksize[d]} along it, got {padding!r}")
+    return "EXPLICIT", [v for pair in pairs for v in pair]
+
+
 def _check_args(input, ksize, strides, padding, data_format, keep, implementation="fused"):
     if not isinstance(data_format, str) or data_format.upper() not in ("NHWC", "NCHW"):
         raise ValueError(f"data_format must be 'NHWC' or 'NCHW', got {data_format!r}")
     data_format = data_format.upper()
-    if not isinstance(padding, str) or padding.upper() not in ("VALID", "SAME"):
-        raise ValueError(f"padding must be 'VALID' or 'SAME', got {padding!r}")
     if keep not in KEEP_CHOICES:
         raise ValueError(f"keep must be one of {KEEP_CHOICES}, got {keep!r}")
     if implementation not in IMPLEMENTATION_CHOICES:
@@ -58,12 +86,13 @@ def _check_args(input, ksize, strides, padding, data_format, keep, implementatio
                          f"got {implementation!r}")
     ksize = _window_attr(ksize, "ksize", data_format)
     strides = _window_attr(strides, "strides", data_format)
+    padding, explicit_paddings = _padding_attrs(padding, ksize, data_format)
     if input.dtype not in SUPPORTED_DTYPES:
         raise ValueError(f"input dtype must be one of {[d.name for d in SUPPORTED_DTYPES]}, "
                          f"got {input.dtype.name}")
     if input.shape.rank is not None and input.shape.rank != 4:
         raise ValueError(f"input must be 4-D ({data_format}), got shape {input.shape}")
-    return ksize, strides, padding.upper(), data_format
+    return ksize, strides, padding, explicit_paddings, data_format
 
 
 def argmax_dtype_for(input_shape, ksize, data_format="NHWC"):
@@ -91,7 +120,9 @@ def relu_max_pool2d(input, ksize, strides, padding, data_format="NHWC", name=Non
       input: 4-D tensor of float16, bfloat16, float32 or float64, in `data_format`.
       ksize: window size: an int, or a list of 1, 2 or 4 ints, as for `tf.nn.max_pool2d`.
       strides: stride: an int, or a list of 1, 2 or 4 ints.
-      padding: "VALID" or "SAME".
+      padding: "VALID", "SAME", or explicit padding as for `tf.nn.max_pool2d`: 4 (before, after)
+        pairs in `data_format` order, [0, 0] on the batch and channel dimensions, each spatial
+        one smaller than the window along it.
       data_format: "NHWC" or "NCHW".
       name: optional name for the operation.
       keep: what the backward pass keeps. "argmax" (default): one code per pooled element
@@ -109,9 +140,10 @@ def relu_max_pool2d(input, ksize, strides, padding, data_format="NHWC", name=Non
     """
     with tf.name_scope(name or "ReluMaxPool2d"):
         input = tf.convert_to_tensor(input, name="input")
-        ksize, strides, padding, data_format = _check_args(input, ksize, strides, padding,
-                                                           data_format, keep, implementation)
-        attrs = dict(ksize=ksize, strides=strides, padding=padding, data_format=data_format,
+        ksize, strides, padding, explicit_paddings, data_format = _check_args(
+            input, ksize, strides, padding, data_format, keep, implementation)
+        attrs = dict(ksize=ksize, strides=strides, padding=padding,
+                     explicit_paddings=explicit_paddings, data_format=data_format,
                      implementation=implementation)
         lib = load_library()
         grappler.ensure_registered()  # the fused ops' layout pass inside Grappler (GPU NCHW)
@@ -124,7 +156,8 @@ def relu_max_pool2d(input, ksize, strides, padding, data_format="NHWC", name=Non
 
 def _pool_attrs(op):
     return {k: op.get_attr(k)
-            for k in ("ksize", "strides", "padding", "data_format", "implementation")}
+            for k in ("ksize", "strides", "padding", "explicit_paddings", "data_format",
+                      "implementation")}
 
 
 @tf_ops.RegisterGradient("ReluMaxPool")

@@ -65,6 +65,7 @@
 #include <utility>
 #include <vector>
 
+#include "cc/kernels/relu_max_pool.h"  // CheckExplicitPaddings
 #include "tensorflow/c/experimental/grappler/grappler.h"
 #include "google/protobuf/arena.h"
 #include "tensorflow/core/framework/attr_value.pb.h"
@@ -262,7 +263,10 @@ tensorflow::DataType ArgmaxType(const std::vector<int64_t>& ksize, bool nhwc) {
 // Pooling window of a MaxPool/MaxPoolGrad (attrs) or MaxPoolV2/MaxPoolGradV2 (constant inputs).
 struct Window {
   std::vector<int64_t> ksize, strides;
-  bool operator==(const Window& o) const { return ksize == o.ksize && strides == o.strides; }
+  std::vector<int64_t> explicit_paddings;  // MaxPool / MaxPoolGrad with padding EXPLICIT
+  bool operator==(const Window& o) const {
+    return ksize == o.ksize && strides == o.strides && explicit_paddings == o.explicit_paddings;
+  }
 };
 
 // What both passes below need: the graph, its node index, the nodes to preserve, the log,
@@ -473,6 +477,9 @@ class Rewriter : public GraphPass {
         v->assign(a->list().i().begin(), a->list().i().end());
       }
     }
+    w->explicit_paddings.clear();
+    if (const AttrValue* a = Attr(n, "explicit_paddings"))
+      w->explicit_paddings.assign(a->list().i().begin(), a->list().i().end());
     return "";
   }
 
@@ -480,11 +487,21 @@ class Rewriter : public GraphPass {
   std::string PoolProblem(const NodeDef& pool, Window* w) const {
     const std::string padding = StringAttr(pool, "padding", "");
     const std::string format = StringAttr(pool, "data_format", "NHWC");
-    if (padding != "SAME" && padding != "VALID") return "padding " + padding;
+    if (padding != "SAME" && padding != "VALID" && padding != "EXPLICIT")
+      return "padding " + padding;
     if (format != "NHWC" && format != "NCHW") return "data_format " + format;
     const std::string problem = ReadWindow(pool, w);
     if (!problem.empty()) return problem;
     const bool nhwc = format == "NHWC";
+    if (padding == "EXPLICIT") {
+      if (w->ksize.size() != 4) return "ksize not 4 entries";
+      const std::string err = tf_relupool::CheckExplicitPaddings(
+          w->explicit_paddings.data(), static_cast<int>(w->explicit_paddings.size()),
+          w->ksize.data(), nhwc ? tf_relupool::DataFormat::kNHWC : tf_relupool::DataFormat::kNCHW);
+      if (!err.empty()) return err;
+    } else if (!w->explicit_paddings.empty()) {
+      return "explicit_paddings with padding " + padding;
+    }
     for (int k = 0; k < 2; ++k) {
       const std::string name = k == 0 ? "ksize" : "strides";
       const std::vector<int64_t>& v = k == 0 ? w->ksize : w->strides;
@@ -776,6 +793,10 @@ class Rewriter : public GraphPass {
     for (int64_t v : p.window.ksize) ksize->add_i(v);
     auto* strides = (*attr)["strides"].mutable_list();
     for (int64_t v : p.window.strides) strides->add_i(v);
+    if (!p.window.explicit_paddings.empty()) {
+      auto* pads = (*attr)["explicit_paddings"].mutable_list();
+      for (int64_t v : p.window.explicit_paddings) pads->add_i(v);
+    }
     (*attr)["data_format"].set_s(StringAttr(pool, "data_format", "NHWC"));
     (*attr)["implementation"].set_s("fused");
   }
@@ -1201,6 +1222,18 @@ class TransposeFolder : public GraphPass {
       list->set_i(1, v[3]);
       list->set_i(2, v[1]);
       list->set_i(3, v[2]);
+    }
+    // explicit_paddings: (before, after) pairs, NHWC order -> NCHW order.
+    auto pads = attr->find("explicit_paddings");
+    if (pads != attr->end() && pads->second.list().i_size() == 8) {
+      auto* list = pads->second.mutable_list();
+      int64_t v[8];
+      for (int e = 0; e < 8; ++e) v[e] = list->i(e);
+      const int from[4] = {0, 3, 1, 2};  // NCHW dimension d is NHWC dimension from[d]
+      for (int d = 0; d < 4; ++d) {
+        list->set_i(2 * d, v[2 * from[d]]);
+        list->set_i(2 * d + 1, v[2 * from[d] + 1]);
+      }
     }
     (*attr)["data_format"].set_s("NCHW");
     // Output 0 (4-D in every op): Transposes back to NCHW go away; other readers get one NHWC

@@ -33,7 +33,7 @@
 namespace tf_relupool {
 
 enum class DataFormat : int { kNHWC = 0, kNCHW = 1 };
-enum class Padding : int { kValid = 0, kSame = 1 };
+enum class Padding : int { kValid = 0, kSame = 1, kExplicit = 2 };
 
 // Geometry of one pooling call. Filled only by ComputePoolParams; passed to kernels by value.
 //
@@ -45,7 +45,7 @@ struct PoolParams {
   int64_t batch, in_rows, in_cols, channels;
   int64_t window_rows, window_cols, stride_rows, stride_cols;
   int64_t out_rows, out_cols;
-  int64_t pad_top, pad_left;  // padding before the first row / column (SAME only)
+  int64_t pad_top, pad_left;  // padding before the first row / column (SAME, EXPLICIT)
   int64_t images, lanes;
   // Codes index the window clipped to the input, row-major with this row pitch.
   int64_t code_pitch;       // min(window_cols, in_cols)
@@ -88,16 +88,28 @@ TFRP_HD void OutputsCovering(int64_t in, int64_t pad, int64_t window, int64_t st
 std::string CheckPoolAttrs(const int64_t* ksize, int ksize_len, const int64_t* strides,
                            int strides_len, DataFormat format);
 
+// Checks explicit_paddings for padding EXPLICIT: 8 entries (before, after) per dimension in
+// data_format order, zero on the batch and channel dimensions, and, as TensorFlow's MaxPool
+// requires, each spatial one >= 0 and smaller than the window along it (so that every window
+// holds an input position). Returns "" when valid, otherwise a message naming the attribute.
+std::string CheckExplicitPaddings(const int64_t* paddings, int paddings_len, const int64_t* ksize,
+                                  DataFormat format);
+
 // Output size along one spatial dimension, TensorFlow's formula: VALID gives
-// max(0, (in - window + stride) / stride), SAME gives ceil(in / stride). Returns -1 for an
-// unknown input size (in < 0).
-int64_t PooledSize(int64_t in, int64_t window, int64_t stride, Padding padding);
+// max(0, (in - window + stride) / stride), SAME gives ceil(in / stride), EXPLICIT (with
+// pad_before + pad_after added to the input) max(0, (in + pads - window + stride) / stride).
+// Returns -1 for an unknown input size (in < 0).
+int64_t PooledSize(int64_t in, int64_t window, int64_t stride, Padding padding,
+                   int64_t pad_before = 0, int64_t pad_after = 0);
 
 // Validates attributes and a 4-D input shape (data_format order) and fills *params.
+// explicit_paddings (8 entries, see CheckExplicitPaddings) is read for padding EXPLICIT only.
 // Returns "" when valid, otherwise a message naming the offending argument.
 std::string ComputePoolParams(const int64_t* input_dims, int input_rank, const int64_t* ksize,
                               int ksize_len, const int64_t* strides, int strides_len,
-                              Padding padding, DataFormat format, PoolParams* params);
+                              Padding padding, DataFormat format, PoolParams* params,
+                              const int64_t* explicit_paddings = nullptr,
+                              int explicit_paddings_len = 0);
 
 // Window argmax codes: C is uint8_t, uint16_t or int32_t; its largest value is the sentinel
 // ("window max <= 0 or NaN first: dy goes to the first in-bounds position, times zero").

@@ -43,18 +43,51 @@ std::string CheckPoolAttrs(const int64_t* ksize, int ksize_len, const int64_t* s
   return err;
 }
 
-int64_t PooledSize(int64_t in, int64_t window, int64_t stride, Padding padding) {
+std::string CheckExplicitPaddings(const int64_t* paddings, int paddings_len, const int64_t* ksize,
+                                  DataFormat format) {
+  if (paddings_len != 8) {
+    return "explicit_paddings must have 8 elements (before and after each dimension of the "
+           "input) with padding EXPLICIT, got " + Str(paddings_len);
+  }
+  const int channel_dim = format == DataFormat::kNHWC ? 3 : 1;
+  for (int d = 0; d < 4; ++d) {
+    for (int side = 0; side < 2; ++side) {
+      const int64_t v = paddings[2 * d + side];
+      const std::string at = "explicit_paddings[" + Str(2 * d + side) + "] = " + Str(v);
+      if (d == 0 || d == channel_dim) {
+        if (v != 0) return at + ": the batch and channel dimensions cannot be padded";
+      } else if (v < 0) {
+        return at + " must be >= 0";
+      } else if (v >= ksize[d]) {
+        return at + " must be smaller than the window size " + Str(ksize[d]) +
+               " along that dimension";
+      }
+    }
+  }
+  return "";
+}
+
+int64_t PooledSize(int64_t in, int64_t window, int64_t stride, Padding padding,
+                   int64_t pad_before, int64_t pad_after) {
   if (in < 0) return -1;
   // The same values as ceil(in / stride) and max(0, (in - window + stride) / stride), written so
   // that no intermediate overflows for any in up to INT64_MAX (input_shape of the compact
   // gradient is user data).
   if (padding == Padding::kSame) return in == 0 ? 0 : (in - 1) / stride + 1;
+  if (padding == Padding::kExplicit) {
+    // Pads are below the window size (CheckExplicitPaddings), so window - pads > -window: the
+    // comparison and the subtraction stay in range.
+    const int64_t reach = window - pad_before - pad_after;  // rows the input must supply
+    if (reach > 0) return in < reach ? 0 : (in - reach) / stride + 1;
+    return in / stride + (in % stride - reach) / stride + 1;  // (in - reach) might overflow
+  }
   return in < window ? 0 : (in - window) / stride + 1;
 }
 
 std::string ComputePoolParams(const int64_t* input_dims, int input_rank, const int64_t* ksize,
                               int ksize_len, const int64_t* strides, int strides_len,
-                              Padding padding, DataFormat format, PoolParams* p) {
+                              Padding padding, DataFormat format, PoolParams* p,
+                              const int64_t* explicit_paddings, int explicit_paddings_len) {
   if (input_rank != 4) {
     return "input must be 4-D (" + std::string(format == DataFormat::kNHWC ? "NHWC" : "NCHW") +
            "), got rank " + Str(input_rank);
@@ -63,6 +96,11 @@ std::string ComputePoolParams(const int64_t* input_dims, int input_rank, const i
     if (input_dims[i] < 0) return "input dimension " + Str(i) + " is negative: " + Str(input_dims[i]);
   }
   std::string err = CheckPoolAttrs(ksize, ksize_len, strides, strides_len, format);
+  if (err.empty() && padding == Padding::kExplicit) {
+    err = CheckExplicitPaddings(explicit_paddings, explicit_paddings == nullptr ? 0
+                                                                               : explicit_paddings_len,
+                                ksize, format);
+  }
   if (!err.empty()) return err;
 
   const bool nhwc = format == DataFormat::kNHWC;
@@ -76,9 +114,22 @@ std::string ComputePoolParams(const int64_t* input_dims, int input_rank, const i
   p->window_cols = ksize[w];
   p->stride_rows = strides[h];
   p->stride_cols = strides[w];
-  p->out_rows = PooledSize(p->in_rows, p->window_rows, p->stride_rows, padding);
-  p->out_cols = PooledSize(p->in_cols, p->window_cols, p->stride_cols, padding);
-  p->pad_top = p->pad_left = 0;
+  const bool explicit_pads = padding == Padding::kExplicit;
+  const int64_t top = explicit_pads ? explicit_paddings[2 * h] : 0;
+  const int64_t bottom = explicit_pads ? explicit_paddings[2 * h + 1] : 0;
+  const int64_t left = explicit_pads ? explicit_paddings[2 * w] : 0;
+  const int64_t right = explicit_pads ? explicit_paddings[2 * w + 1] : 0;
+  p->out_rows = PooledSize(p->in_rows, p->window_rows, p->stride_rows, padding, top, bottom);
+  p->out_cols = PooledSize(p->in_cols, p->window_cols, p->stride_cols, padding, left, right);
+  p->pad_top = p->out_rows > 0 ? top : 0;
+  p->pad_left = p->out_cols > 0 ? left : 0;
+  if (explicit_pads && p->batch > 0 && p->channels > 0 &&
+      ((p->in_rows == 0 && p->out_rows > 0 && p->out_cols > 0) ||
+       (p->in_cols == 0 && p->out_cols > 0 && p->out_rows > 0))) {
+    // Every window would be padding only (stock MaxPool fills them with the lowest value).
+    return "input has no " + std::string(p->in_rows == 0 ? "rows" : "columns") +
+           " but explicit_paddings make windows of padding only: not supported";
+  }
   if (padding == Padding::kSame) {
     // TensorFlow puts the smaller half of the padding before the data.
     // (out - 1) * stride < in, so subtracting `in` before adding the window cannot overflow.

@@ -14,6 +14,7 @@ namespace tf_relupool {
 
 struct PoolAttrs {
   std::vector<int64_t> ksize, strides;
+  std::vector<int64_t> explicit_paddings;  // 8 entries with padding EXPLICIT, else empty
   Padding padding = Padding::kValid;
   DataFormat format = DataFormat::kNHWC;
 };
@@ -27,11 +28,23 @@ absl::Status ReadPoolAttrs(AttrSource* src, PoolAttrs* attrs) {
   TF_RETURN_IF_ERROR(src->GetAttr("strides", &attrs->strides));
   TF_RETURN_IF_ERROR(src->GetAttr("padding", &padding));
   TF_RETURN_IF_ERROR(src->GetAttr("data_format", &format));
-  attrs->padding = padding == "SAME" ? Padding::kSame : Padding::kValid;
+  attrs->padding = padding == "SAME"       ? Padding::kSame
+                    : padding == "EXPLICIT" ? Padding::kExplicit
+                                            : Padding::kValid;
   attrs->format = format == "NCHW" ? DataFormat::kNCHW : DataFormat::kNHWC;
-  const std::string err =
+  std::vector<int64_t> paddings;
+  if (!src->GetAttr("explicit_paddings", &paddings).ok()) paddings.clear();
+  std::string err =
       CheckPoolAttrs(attrs->ksize.data(), static_cast<int>(attrs->ksize.size()),
                      attrs->strides.data(), static_cast<int>(attrs->strides.size()), attrs->format);
+  if (err.empty() && attrs->padding == Padding::kExplicit) {
+    err = CheckExplicitPaddings(paddings.data(), static_cast<int>(paddings.size()),
+                                attrs->ksize.data(), attrs->format);
+    attrs->explicit_paddings = paddings;
+  } else if (err.empty() && !paddings.empty()) {
+    err = "explicit_paddings must be empty unless padding is EXPLICIT, got " +
+          std::to_string(paddings.size()) + " elements with padding " + padding;
+  }
   if (!err.empty()) return absl::InvalidArgumentError(err);
   return absl::OkStatus();
 }
@@ -43,7 +56,7 @@ inline absl::Status MakePoolParams(const PoolAttrs& attrs, const tensorflow::Ten
   const std::string err = ComputePoolParams(
       dims.data(), input.dims(), attrs.ksize.data(), static_cast<int>(attrs.ksize.size()),
       attrs.strides.data(), static_cast<int>(attrs.strides.size()), attrs.padding, attrs.format,
-      params);
+      params, attrs.explicit_paddings.data(), static_cast<int>(attrs.explicit_paddings.size()));
   if (!err.empty()) return absl::InvalidArgumentError(err);
   return absl::OkStatus();
 }

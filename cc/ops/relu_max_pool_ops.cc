@@ -17,10 +17,13 @@ absl::Status PooledShapeOf(InferenceContext* c, const PoolAttrs& attrs, ShapeHan
   TF_RETURN_IF_ERROR(c->WithRank(input, 4, &input));
   const bool nhwc = attrs.format == DataFormat::kNHWC;
   const int h = nhwc ? 1 : 2, w = nhwc ? 2 : 3;
+  const bool explicit_pads = attrs.padding == Padding::kExplicit;
   auto pooled = [&](int d) -> DimensionHandle {
     const DimensionHandle in = c->Dim(input, d);
     if (!c->ValueKnown(in)) return c->UnknownDim();
-    return c->MakeDim(PooledSize(c->Value(in), attrs.ksize[d], attrs.strides[d], attrs.padding));
+    return c->MakeDim(PooledSize(c->Value(in), attrs.ksize[d], attrs.strides[d], attrs.padding,
+                                 explicit_pads ? attrs.explicit_paddings[2 * d] : 0,
+                                 explicit_pads ? attrs.explicit_paddings[2 * d + 1] : 0));
   };
   std::vector<DimensionHandle> dims = {c->Dim(input, 0), c->Dim(input, 1), c->Dim(input, 2),
                                        c->Dim(input, 3)};
@@ -77,6 +80,10 @@ absl::Status GradGradFromArgmaxShape(InferenceContext* c) {
 
 }  // namespace
 
+// `padding` and `explicit_paddings` are MaxPool's: with 'EXPLICIT', explicit_paddings holds
+// (before, after) for each dimension in data_format order, zero for batch and channels, each
+// spatial one smaller than the window along it.
+//
 // `implementation` chooses the GPU kernels: 'fused' (default) runs the single-pass CUDA kernels;
 // 'cudnn' runs ReLU into a temporary buffer, then cuDNN pooling (the seed's path), for ReluMaxPool
 // and ReluMaxPoolGrad only; the window-argmax ops have no cuDNN equivalent and always run fused,
@@ -95,7 +102,8 @@ REGISTER_OP("ReluMaxPool")
     .Attr("T: {half, bfloat16, float, double}")
     .Attr("ksize: list(int)")
     .Attr("strides: list(int)")
-    .Attr("padding: {'SAME', 'VALID'}")
+    .Attr("padding: {'SAME', 'VALID', 'EXPLICIT'}")
+    .Attr("explicit_paddings: list(int) = []")
     .Attr("data_format: {'NHWC', 'NCHW'} = 'NHWC'")
     .Attr("implementation: {'fused', 'cudnn'} = 'fused'")  // GPU only, see above
     .SetShapeFn(ForwardShape)
@@ -108,7 +116,8 @@ REGISTER_OP("ReluMaxPoolGrad")
     .Attr("T: {half, bfloat16, float, double}")
     .Attr("ksize: list(int)")
     .Attr("strides: list(int)")
-    .Attr("padding: {'SAME', 'VALID'}")
+    .Attr("padding: {'SAME', 'VALID', 'EXPLICIT'}")
+    .Attr("explicit_paddings: list(int) = []")
     .Attr("data_format: {'NHWC', 'NCHW'} = 'NHWC'")
     .Attr("implementation: {'fused', 'cudnn'} = 'fused'")  // GPU only, see above
     .SetShapeFn(GradShape)
@@ -123,7 +132,8 @@ REGISTER_OP("ReluMaxPoolWithWindowArgmax")
     .Attr("Targmax: {uint8, uint16, int32} = DT_UINT8")
     .Attr("ksize: list(int)")
     .Attr("strides: list(int)")
-    .Attr("padding: {'SAME', 'VALID'}")
+    .Attr("padding: {'SAME', 'VALID', 'EXPLICIT'}")
+    .Attr("explicit_paddings: list(int) = []")
     .Attr("data_format: {'NHWC', 'NCHW'} = 'NHWC'")
     .Attr("implementation: {'fused', 'cudnn'} = 'fused'")  // GPU only, see above
     .SetShapeFn(ForwardShape)
@@ -141,7 +151,8 @@ REGISTER_OP("ReluMaxPoolGradFromWindowArgmax")
     .Attr("Tshape: {int32, int64} = DT_INT32")
     .Attr("ksize: list(int)")
     .Attr("strides: list(int)")
-    .Attr("padding: {'SAME', 'VALID'}")
+    .Attr("padding: {'SAME', 'VALID', 'EXPLICIT'}")
+    .Attr("explicit_paddings: list(int) = []")
     .Attr("data_format: {'NHWC', 'NCHW'} = 'NHWC'")
     .Attr("implementation: {'fused', 'cudnn'} = 'fused'")  // GPU only, see above
     .Attr("validate_window_argmax: bool = true")          // GPU only, see above
@@ -157,7 +168,8 @@ REGISTER_OP("ReluMaxPoolGradGradFromWindowArgmax")
     .Attr("Targmax: {uint8, uint16, int32} = DT_UINT8")
     .Attr("ksize: list(int)")
     .Attr("strides: list(int)")
-    .Attr("padding: {'SAME', 'VALID'}")
+    .Attr("padding: {'SAME', 'VALID', 'EXPLICIT'}")
+    .Attr("explicit_paddings: list(int) = []")
     .Attr("data_format: {'NHWC', 'NCHW'} = 'NHWC'")
     .Attr("implementation: {'fused', 'cudnn'} = 'fused'")  // ignored: always the fused kernels
     .Attr("validate_window_argmax: bool = true")          // GPU only, see above

@@ -291,7 +291,7 @@ void CheckCase(const PoolParams& p, std::mt19937_64& rng, const ParallelRunner& 
 bool RandomParams(std::mt19937_64& rng, PoolParams* p, bool big_window) {
   auto U = [&](int64_t lo, int64_t hi) { return lo + static_cast<int64_t>(rng() % static_cast<uint64_t>(hi - lo + 1)); };
   const DataFormat fmt = rng() % 2 ? DataFormat::kNHWC : DataFormat::kNCHW;
-  const Padding pad = rng() % 2 ? Padding::kSame : Padding::kValid;
+  const Padding pad = static_cast<Padding>(rng() % 3);  // VALID, SAME, EXPLICIT
   int64_t n = rng() % 12 == 0 ? U(0, 2) : U(1, 3);
   int64_t c = rng() % 12 == 0 ? U(0, 2) : U(1, 9);
   int64_t h = rng() % 12 == 0 ? U(0, 1) : U(1, 13);
@@ -317,7 +317,14 @@ bool RandomParams(std::mt19937_64& rng, PoolParams* p, bool big_window) {
   const int64_t dims[4] = {n, nhwc ? h : c, nhwc ? w : h, nhwc ? c : w};
   const int64_t ks[4] = {1, nhwc ? kh : 1, nhwc ? kw : kh, nhwc ? 1 : kw};
   const int64_t st[4] = {1, nhwc ? sh : 1, nhwc ? sw : sh, nhwc ? 1 : sw};
-  const std::string err = ComputePoolParams(dims, 4, ks, 4, st, 4, pad, fmt, p);
+  // Explicit pads below the window; none over an empty plane (windows of padding only are
+  // refused, see the validation test).
+  const bool empty_plane = h == 0 || w == 0;
+  const int64_t pt = empty_plane ? 0 : U(0, kh - 1), pb = empty_plane ? 0 : U(0, kh - 1);
+  const int64_t pl = empty_plane ? 0 : U(0, kw - 1), pr = empty_plane ? 0 : U(0, kw - 1);
+  const int64_t pads[8] = {0, 0, nhwc ? pt : 0, nhwc ? pb : 0, nhwc ? pl : pt, nhwc ? pr : pb,
+                           nhwc ? 0 : pl, nhwc ? 0 : pr};
+  const std::string err = ComputePoolParams(dims, 4, ks, 4, st, 4, pad, fmt, p, pads, 8);
   CHECK(err.empty(), "valid params refused: %s", err.c_str());
   return err.empty();
 }
@@ -391,7 +398,40 @@ void CheckValidation() {
         CHECK(PooledSize(in, k, s, Padding::kSame) == (in + s - 1) / s, "SAME size");
         CHECK(PooledSize(in, k, s, Padding::kValid) == std::max<int64_t>(0, (in - k + s) / s),
               "VALID size");
+        for (int64_t a = 0; a < k; ++a)
+          for (int64_t b = 0; b < k; ++b)
+            CHECK(PooledSize(in, k, s, Padding::kExplicit, a, b) ==
+                      (in + a + b < k ? 0 : (in + a + b - k) / s + 1),
+                  "EXPLICIT size");
       }
+  // Explicit padding: every refusal names explicit_paddings; INT64_MAX rows with pads that
+  // exceed the window together (in - (window - pads) would overflow) stay exact.
+  const int64_t k33[4] = {1, 3, 3, 1}, s11[4] = {1, 1, 1, 1}, dims5[4] = {1, 5, 5, 2};
+  const int64_t bad_pads[][8] = {{1, 0, 0, 0, 0, 0, 0, 0}, {0, 0, 3, 0, 0, 0, 0, 0},
+                                 {0, 0, 0, 0, -1, 0, 0, 0}, {0, 0, 0, 0, 0, 0, 0, 1}};
+  for (const auto& pads : bad_pads) {
+    const std::string err = ComputePoolParams(dims5, 4, k33, 4, s11, 4, Padding::kExplicit,
+                                              DataFormat::kNHWC, &p, pads, 8);
+    CHECK(err.find("explicit_paddings[") == 0, "bad explicit pads accepted: '%s'", err.c_str());
+  }
+  const int64_t ok_pads[8] = {0, 0, 2, 1, 0, 2, 0, 0};
+  CHECK(ComputePoolParams(dims5, 4, k33, 4, s11, 4, Padding::kExplicit, DataFormat::kNHWC, &p,
+                          ok_pads, 7)
+                .find("8 elements") != std::string::npos,
+        "7 explicit pads accepted");
+  CHECK(ComputePoolParams(dims5, 4, k33, 4, s11, 4, Padding::kExplicit, DataFormat::kNHWC, &p,
+                          ok_pads, 8).empty() &&
+            p.out_rows == 6 && p.out_cols == 5 && p.pad_top == 2 && p.pad_left == 0,
+        "explicit geometry");
+  const int64_t max_pads[8] = {0, 0, 2, 2, 0, 0, 0, 0};
+  CHECK(ComputePoolParams(max_dims, 4, k3, 4, k2, 4, Padding::kExplicit, DataFormat::kNHWC, &p,
+                          max_pads, 8).empty() &&
+            p.out_rows == std::numeric_limits<int64_t>::max() / 2 + 2,  // (max + 4 - 3) / 2 + 1
+        "INT64_MAX rows, explicit: out_rows %lld", (long long)p.out_rows);
+  const int64_t no_rows[4] = {1, 0, 4, 1}, k2x1[4] = {1, 2, 1, 1}, pads11[8] = {0, 0, 1, 1, 0, 0, 0, 0};
+  CHECK(ComputePoolParams(no_rows, 4, k2x1, 4, s11, 4, Padding::kExplicit, DataFormat::kNHWC, &p,
+                          pads11, 8).find("padding only") != std::string::npos,
+        "padding-only windows accepted");
 }
 
 // Several threads run the kernels at once on shared, read-only inputs (each with its own
