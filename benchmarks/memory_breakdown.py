@@ -2,8 +2,9 @@
 
 gpu_memory.py says how high a step peaks; this says what the peak is made of. For one model of
 examples/models.py and one Grappler configuration (gpu_memory.py's names: default, layout-off,
-workspace-0, ...), each variant (stock, argmax, input, switch, as in gpu_memory.py) trains two
-warm-up steps, then one step under TensorFlow's profiler (tf.profiler.experimental). The
+workspace-0, ...), each variant (stock, argmax, input, switch, as in gpu_memory.py) trains
+--warmup steps (2; 0 profiles the first step, which traces, optimizes and autotunes cuDNN), then
+one step under TensorFlow's profiler (tf.profiler.experimental). The
 profile's memory view (the allocator's own records: op, region, shape and size of every block
 live at the peak) is converted with TensorFlow's converter (`xspace_to_tools_data`, as
 TensorBoard's memory profile does) and printed as a table of the largest live blocks.
@@ -92,7 +93,9 @@ def profile_steps(args):
         model = gpu_memory.build_model(tf, args.model, v)
         for _ in range(args.warmup):
             gpu_memory._step(model, x, y, v)
-        name = f"{args.model}-{args.config}-{v}" + ("-first-step" if args.warmup == 0 else "")
+        # "+" of joined configurations becomes "_": plain file names travel everywhere.
+        name = (f"{args.model}-{args.config.replace('+', '_')}-{v}" +
+                ("-first-step" if args.warmup == 0 else ""))
         logdir = tempfile.mkdtemp(prefix=f"{name}-")
         # Host tracing records the allocator's blocks; device (CUPTI) tracing is not needed.
         tf.profiler.experimental.start(logdir, options=tf.profiler.experimental.ProfilerOptions(
