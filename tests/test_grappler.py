@@ -204,9 +204,11 @@ def test_keras_conv_relu_after_remapper_is_fused():
     assert r["stats"]["errors"] == 0
 
 
-def test_keras_conv_relu_fit_is_bitwise_equal_to_switch_off():
+@pytest.mark.parametrize("steps_per_execution", [1, 4])
+def test_keras_conv_relu_fit_is_bitwise_equal_to_switch_off(steps_per_execution):
     # The convolution keeps its fused ReLU (the kernel stock runs); its output feeds the fused op.
-    r = run_case("""
+    # steps_per_execution > 1: Keras runs several steps per tf.function call; still fused.
+    r = run_case(f"""
         import keras
         def train(switch):
             if switch:
@@ -220,7 +222,7 @@ def test_keras_conv_relu_fit_is_bitwise_equal_to_switch_off():
                                   keras.layers.Dense(3)])
             m.compile(keras.optimizers.SGD(0.1),
                       keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                      jit_compile=False)
+                      jit_compile=False, steps_per_execution={steps_per_execution})
             x = tf.random.stateless_normal([16, 16, 16, 3], seed=[1, 2])
             y = tf.random.stateless_uniform([16], [3, 4], maxval=3, dtype=tf.int32)
             grappler.reset_stats()
