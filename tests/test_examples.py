@@ -341,7 +341,9 @@ def test_memory_breakdown_lists_what_is_live_at_the_peak(tmp_path):
     fused model's holds 1-byte codes and no ReLU output, and is lower; the raw profiles are kept
     and --convert reads them back to the same tables."""
     out, keep = tmp_path / "breakdown.md", tmp_path / "profiles"
-    p = run(BREAKDOWN, "--model", "simple", "--batch", "32", "--variants", "stock,argmax",
+    # Batch 128: the activations the fused op saves outweigh the step-to-step variation of the
+    # peak (at batch 32 the weights dominate and the two peaks were once 0.1 MiB apart).
+    p = run(BREAKDOWN, "--model", "simple", "--batch", "128", "--variants", "stock,argmax",
             "--min-mib", "0.25", "--keep", str(keep), "--out", str(out), timeout=600)
     assert p.returncode == 0, p.stderr[-4000:]
     assert sorted(os.listdir(keep)) == ["simple-default-argmax.xplane.pb",
@@ -351,13 +353,18 @@ def test_memory_breakdown_lists_what_is_live_at_the_peak(tmp_path):
         assert "no profile converter in this TensorFlow" in out.read_text()
         return
     stock, fused = out.read_text().split("### ")[1:]
-    assert "conv1_1/Relu` | output | float | [32," in stock, stock
+    assert "conv1_1/Relu` | output | float | [128," in stock, stock
     assert "ReluMaxPoolWithWindowArgmax` | output | uint8 |" in fused, fused
     assert "conv1_1/Relu` | output" not in fused, fused
 
     def in_use(text):
         return float(text.split(" MiB in use at the peak")[0].rsplit(" ", 1)[1])
-    assert in_use(fused) < in_use(stock)
+
+    def tensors(text):  # the table's blocks, without the allocator's unused preallocated memory
+        rows = [r.split("|") for r in text.splitlines() if r.startswith("| ") and
+                not r.startswith("| MiB") and "unused preallocated" not in r]
+        return sum(float(r[1]) for r in rows)
+    assert tensors(fused) < 0.7 * tensors(stock), (tensors(fused), tensors(stock))
     again = run(BREAKDOWN, "--convert", str(keep), "--min-mib", "0.25", timeout=300)
     assert again.returncode == 0, again.stderr[-4000:]
     assert [in_use(t) for t in again.stdout.split("### ")[1:]] == [in_use(fused), in_use(stock)]
