@@ -84,6 +84,16 @@ def window_bounds(size, k, s, padding, pads=(0, 0)):
     return np.clip(start, 0, size), np.clip(start + k, 0, size)
 
 
+def window_grid(h, w, ksize, strides, padding, data_format):
+    """window_bounds along rows and columns of an h x w plane for a pooling call's arguments
+    (ksize/strides in any tf.nn.max_pool2d form, padding a string or explicit pairs in
+    data_format order): ((r0, r1), (c0, c1))."""
+    (kh, kw), (sh, sw) = _spatial_pair(ksize, data_format), _spatial_pair(strides, data_format)
+    pads = nhwc_padding(padding, data_format)
+    rows, cols = ((0, 0), (0, 0)) if isinstance(pads, str) else (pads[1], pads[2])
+    return window_bounds(h, kh, sh, padding, rows), window_bounds(w, kw, sw, padding, cols)
+
+
 def all_nan_windows(z, ksize, strides, padding, data_format):
     """Mask over the pooled output (in data_format's layout): True where every in-bounds value of
     the window is NaN, i.e. where relu(z) holds nothing but NaN. Computed in numpy from window
@@ -91,11 +101,8 @@ def all_nan_windows(z, ksize, strides, padding, data_format):
     z = np.asarray(z.numpy() if hasattr(z, "numpy") else z)
     if data_format == "NCHW":
         z = z.transpose(0, 2, 3, 1)
-    (kh, kw), (sh, sw) = _spatial_pair(ksize, data_format), _spatial_pair(strides, data_format)
     n, h, w, c = z.shape
-    pads = nhwc_padding(padding, data_format)
-    r0, r1 = window_bounds(h, kh, sh, padding, pads[1] if not isinstance(pads, str) else (0, 0))
-    c0, c1 = window_bounds(w, kw, sw, padding, pads[2] if not isinstance(pads, str) else (0, 0))
+    (r0, r1), (c0, c1) = window_grid(h, w, ksize, strides, padding, data_format)
     table = np.zeros([n, h + 1, w + 1, c], np.int64)
     table[:, 1:, 1:] = (~np.isnan(z.astype(np.float64))).cumsum(1).cumsum(2)
     numbers = (table[:, r1[:, None], c1[None, :]] - table[:, r0[:, None], c1[None, :]]

@@ -16,8 +16,7 @@ from hypothesis import given, settings
 
 import tf_relupool
 from conftest import (DTYPES, _spatial_pair, assert_bitwise_equal, from_nhwc, nhwc_padding,
-                      pool_cases,
-                      to_nhwc)
+                      pool_cases, to_nhwc, window_grid)
 
 KEEPS = ["argmax", "input"]
 
@@ -76,21 +75,10 @@ def _definition_grad_grad(z, ddz, ksize, strides, padding, data_format):
     zz = np.asarray(to_nhwc(tf.cast(z, tf.float64), data_format))
     dd = np.asarray(to_nhwc(tf.cast(ddz, tf.float64), data_format))
     n, h, w, c = zz.shape
-    (kh, kw), (sh, sw) = _spatial(ksize, data_format), _spatial(strides, data_format)
-    if not isinstance(padding, str):
-        pads = nhwc_padding(padding, data_format)
-        (pt, pb), (pl, pr) = pads[1], pads[2]
-        oh, ow = (h + pt + pb - kh) // sh + 1, (w + pl + pr - kw) // sw + 1
-    elif padding == "VALID":
-        oh, ow, pt, pl = (h - kh) // sh + 1, (w - kw) // sw + 1, 0, 0
-    else:
-        oh, ow = -(-h // sh), -(-w // sw)
-        pt = max((oh - 1) * sh + kh - h, 0) // 2
-        pl = max((ow - 1) * sw + kw - w, 0) // 2
-    out = np.zeros([n, oh, ow, c])
-    for b, i, j, ch in np.ndindex(n, oh, ow, c):
-        rows = range(max(i * sh - pt, 0), min(i * sh - pt + kh, h))
-        cols = range(max(j * sw - pl, 0), min(j * sw - pl + kw, w))
+    (r0, r1), (c0, c1) = window_grid(h, w, ksize, strides, padding, data_format)
+    out = np.zeros([n, len(r0), len(c0), c])
+    for b, i, j, ch in np.ndindex(*out.shape):
+        rows, cols = range(r0[i], r1[i]), range(c0[j], c1[j])
         best, pos = -np.inf, (rows[0], cols[0])
         for r in rows:
             for q in cols:

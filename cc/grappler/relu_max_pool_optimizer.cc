@@ -493,15 +493,6 @@ class Rewriter : public GraphPass {
     const std::string problem = ReadWindow(pool, w);
     if (!problem.empty()) return problem;
     const bool nhwc = format == "NHWC";
-    if (padding == "EXPLICIT") {
-      if (w->ksize.size() != 4) return "ksize not 4 entries";
-      const std::string err = tf_relupool::CheckExplicitPaddings(
-          w->explicit_paddings.data(), static_cast<int>(w->explicit_paddings.size()),
-          w->ksize.data(), nhwc ? tf_relupool::DataFormat::kNHWC : tf_relupool::DataFormat::kNCHW);
-      if (!err.empty()) return err;
-    } else if (!w->explicit_paddings.empty()) {
-      return "explicit_paddings with padding " + padding;
-    }
     for (int k = 0; k < 2; ++k) {
       const std::string name = k == 0 ? "ksize" : "strides";
       const std::vector<int64_t>& v = k == 0 ? w->ksize : w->strides;
@@ -510,6 +501,12 @@ class Rewriter : public GraphPass {
       for (int64_t x : v)
         if (x <= 0 || x > 0x7fffffff) return name + " out of range";
     }
+    if (padding == "EXPLICIT") {  // ksize has its 4 entries (above)
+      return tf_relupool::CheckExplicitPaddings(
+          w->explicit_paddings.data(), static_cast<int>(w->explicit_paddings.size()),
+          w->ksize.data(), nhwc ? tf_relupool::DataFormat::kNHWC : tf_relupool::DataFormat::kNCHW);
+    }
+    if (!w->explicit_paddings.empty()) return "explicit_paddings with padding " + padding;
     return "";
   }
 
