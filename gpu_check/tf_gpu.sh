@@ -9,6 +9,11 @@
 #   breakdown benchmarks/memory_breakdown.py per BREAKDOWN_RUNS ("model:config ...", default
 #            "simple:default"), raw profiles kept          -> breakdown/, breakdown.txt
 #   order    benchmarks/mixed_precision_order.py (ORDER_ARGS)      -> mixed_precision_order.txt
+#   cpubench benchmarks/bench_ops.py on the host CPU, GPU hidden; one run per ';'-separated
+#            argument list in CPUBENCH_RUNS (default: all tables, oneDNN on and off)
+#                                                                   -> bench_cpu.md, lscpu.txt
+#   cputrain benchmarks/gpu_memory.py --device cpu: a Keras training step on the host CPU, stock
+#            vs fused vs the switch (CPUTRAIN_ARGS)              -> cpu_training_step.md/.json
 #   harness  make gpu-check (TensorFlow-free kernel checks + table)  -> gpu_check.txt
 #   sanitize make gpu-sanitize (compute-sanitizer, small sizes)     -> gpu_sanitize.txt
 # Run from the project root with .tfgpu/common and .tfgpu/pkg carried.
@@ -49,6 +54,21 @@ for step in ${STEPS:-test bench}; do
       (cd /tmp && timeout ${ORDER_TIMEOUT:-300} python3 "$ROOT/benchmarks/mixed_precision_order.py" $ORDER_ARGS) \
         > "$OUT/mixed_precision_order.txt" 2>&1 || rc=1
       tail -20 "$OUT/mixed_precision_order.txt" ;;
+    cpubench)
+      lscpu > "$OUT/lscpu.txt" 2>&1
+      IFS=';' read -ra runs <<< "${CPUBENCH_RUNS:- }"
+      for args in "${runs[@]}"; do
+        (cd /tmp && CUDA_VISIBLE_DEVICES=-1 timeout ${CPUBENCH_TIMEOUT:-500} \
+          python3 "$ROOT/benchmarks/bench_ops.py" $args) >> "$OUT/bench_cpu.md" 2>>"$OUT/bench_cpu.err" \
+          || { rc=1; tail -20 "$OUT/bench_cpu.err"; }
+        echo >> "$OUT/bench_cpu.md"
+      done
+      cat "$OUT/bench_cpu.md" ;;
+    cputrain)
+      (cd /tmp && CUDA_VISIBLE_DEVICES=-1 timeout ${CPUTRAIN_TIMEOUT:-500} python3 "$ROOT/benchmarks/gpu_memory.py" \
+        --device cpu --models simple --variants stock,argmax,switch --batch-sizes 128 --time-batch 128 \
+        --no-search --rounds 15 --out "$OUT/cpu_training_step.md" $CPUTRAIN_ARGS) > "$OUT/cputrain.txt" 2>&1 || rc=1
+      tail -20 "$OUT/cputrain.txt" ;;
     harness)
       timeout ${HARNESS_TIMEOUT:-400} make --no-print-directory gpu-check GPU_ARCH="-gencode arch=compute_90,code=sm_90" \
         GPU_CHECK_ARGS="$HARNESS_ARGS" > "$OUT/gpu_check.txt" 2>&1 || rc=1

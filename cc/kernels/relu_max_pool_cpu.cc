@@ -209,15 +209,43 @@ std::string SetCpuIsa(CpuIsa isa) {
 #define TFRP_CPU_DISPATCH(...) return cpu_baseline::__VA_ARGS__;
 #endif
 
+// The pooling loops run their vectors along a row (NCHW: output columns, NHWC: channels), and a
+// row narrower than a vector falls to scalar code. So each forward and backward call takes the
+// widest path, up to the active one, whose vectors fit the row; every path gives the same bits.
+// Measured (AMD EPYC Zen 4, NCHW float32, forward with codes): 28x28 planes 4.5 ms on the AVX-512
+// path (16 lanes > 14 columns) and 0.74 ms on the AVX2 path; 14x14 planes 15.6 ms on AVX-512 or
+// AVX2 and 3.1 ms on the baseline path (4 lanes).
+#if TFRP_CPU_MULTI_ISA
+namespace {
+CpuIsa PathFor(const PoolParams& p) {
+  CpuIsa isa = ActiveCpuIsa();
+  const int64_t row = p.lanes == 1 ? p.out_cols : p.lanes;
+  if (isa == CpuIsa::kAvx512 && row < 16) isa = CpuIsa::kAvx2;
+  if (isa == CpuIsa::kAvx2 && row < 8) isa = CpuIsa::kBaseline;
+  return isa;
+}
+}  // namespace
+
+// TFRP_CPU_DISPATCH with the path PathFor(p) chooses.
+#define TFRP_CPU_DISPATCH_ROWS(p, ...)                          \
+  switch (PathFor(p)) {                                         \
+    case CpuIsa::kAvx512: return cpu_avx512::__VA_ARGS__;       \
+    case CpuIsa::kAvx2: return cpu_avx2::__VA_ARGS__;           \
+    default: return cpu_baseline::__VA_ARGS__;                  \
+  }
+#else
+#define TFRP_CPU_DISPATCH_ROWS(p, ...) return cpu_baseline::__VA_ARGS__;
+#endif
+
 template <typename T>
 void ReluMaxPoolForwardCpu(const PoolParams& p, const T* z, T* y, const ParallelRunner& runner) {
-  TFRP_CPU_DISPATCH(Forward<T>(p, z, y, runner));
+  TFRP_CPU_DISPATCH_ROWS(p, Forward<T>(p, z, y, runner));
 }
 
 template <typename T, typename C>
 void ReluMaxPoolForwardWithArgmaxCpu(const PoolParams& p, const T* z, T* y, C* argmax,
                                      const ParallelRunner& runner) {
-  TFRP_CPU_DISPATCH(ForwardWithArgmax<T, C>(p, z, y, argmax, runner));
+  TFRP_CPU_DISPATCH_ROWS(p, ForwardWithArgmax<T, C>(p, z, y, argmax, runner));
 }
 
 int64_t BackwardFromInputWorkspaceBytes(const PoolParams& p) {
@@ -229,7 +257,7 @@ int64_t BackwardFromInputWorkspaceBytes(const PoolParams& p) {
 template <typename T>
 void ReluMaxPoolBackwardFromInputCpu(const PoolParams& p, const T* z, const T* dy, T* dz,
                                      void* workspace, const ParallelRunner& runner) {
-  TFRP_CPU_DISPATCH(BackwardFromInput<T>(p, z, dy, dz, workspace, runner));
+  TFRP_CPU_DISPATCH_ROWS(p, BackwardFromInput<T>(p, z, dy, dz, workspace, runner));
 }
 
 template <typename C>
@@ -240,13 +268,13 @@ int64_t FindInvalidArgmaxCpu(const PoolParams& p, const C* argmax, const Paralle
 template <typename T, typename C>
 void ReluMaxPoolBackwardFromArgmaxCpu(const PoolParams& p, const T* dy, const C* argmax, T* dz,
                                       const ParallelRunner& runner) {
-  TFRP_CPU_DISPATCH(BackwardFromArgmax<T, C>(p, dy, argmax, dz, runner));
+  TFRP_CPU_DISPATCH_ROWS(p, BackwardFromArgmax<T, C>(p, dy, argmax, dz, runner));
 }
 
 template <typename T, typename C>
 void ReluMaxPoolGradGradFromArgmaxCpu(const PoolParams& p, const T* ddz, const C* argmax, T* ddy,
                                       const ParallelRunner& runner) {
-  TFRP_CPU_DISPATCH(GradGradFromArgmax<T, C>(p, ddz, argmax, ddy, runner));
+  TFRP_CPU_DISPATCH_ROWS(p, GradGradFromArgmax<T, C>(p, ddz, argmax, ddy, runner));
 }
 
 #define TFRP_INSTANTIATE_T(T)                                                                     \

@@ -357,20 +357,26 @@ TFRP_VEC_INLINE void Scatter4Vec(VecU code, VecF dy, uint32_t sentinel, VecU out
   out[3] = code == 3u ? hit : zero;
 }
 
-// Calls vec(i) for i = 0, kVecLanes, 2 * kVecLanes, ... and, when n is not a multiple of
-// kVecLanes, once more for the last kVecLanes elements (overlapping the previous call: those
-// elements are computed and written twice, with the same bits, which is cheaper than a scalar
-// tail); calls scalar(i) for every i when n < kVecLanes. Outputs never alias inputs (the
-// OpKernels allocate every output), so a second write cannot change what is read.
+// Calls vec(i, done) for i = 0, kVecLanes, 2 * kVecLanes, ... with done = 0 and, when n is not a
+// multiple of kVecLanes, once more for the last kVecLanes elements, overlapping the previous
+// call: done = how many of them that call wrote already (they are computed and written twice,
+// with the same bits, which is cheaper than a scalar tail; streaming stores leave them out).
+// Calls scalar(i) for every i when n < kVecLanes. Outputs never alias inputs (the OpKernels
+// allocate every output), so a second write cannot change what is read.
 template <typename Vec, typename Scalar>
-TFRP_VEC_INLINE void ForEachVector(int64_t n, Vec vec, Scalar scalar) {
+TFRP_VEC_INLINE void ForEachVectorOverlap(int64_t n, Vec vec, Scalar scalar) {
   if (n < kVecLanes) {
     for (int64_t i = 0; i < n; ++i) scalar(i);
     return;
   }
   int64_t i = 0;
-  for (; i + kVecLanes <= n; i += kVecLanes) vec(i);
-  if (i < n) vec(n - kVecLanes);
+  for (; i + kVecLanes <= n; i += kVecLanes) vec(i, 0);
+  if (i < n) vec(n - kVecLanes, i - (n - kVecLanes));
+}
+// The same with vec(i).
+template <typename Vec, typename Scalar>
+TFRP_VEC_INLINE void ForEachVector(int64_t n, Vec vec, Scalar scalar) {
+  ForEachVectorOverlap(n, [&](int64_t i, int64_t) { vec(i); }, scalar);
 }
 
 // How far ahead of the loads the 2x2 loops prefetch z: the hardware prefetchers alone left the
@@ -535,29 +541,31 @@ void Backward2x2Rows(const PoolParams& p, const T* __restrict z, const uint8_t* 
       return code;
     };
     if (L == 1) {
-      ForEachVector(
+      ForEachVectorOverlap(
           cols,
-          [&](int64_t pw) {
+          [&](int64_t pw, int64_t done) {
             VecU out[4];
             Scatter4Vec<T>(vector_code(pw, 2 * pw, true), V::Load(gr + pw), kSentinel, out);
-            V::template StorePairs<kStream>(d0 + 2 * pw, out[0], out[1]);
-            V::template StorePairs<kStream>(d1 + 2 * pw, out[2], out[3]);
+            const size_t skip = 2 * done * sizeof(T);
+            V::template StorePairs<kStream>(d0 + 2 * pw, out[0], out[1], skip);
+            V::template StorePairs<kStream>(d1 + 2 * pw, out[2], out[3], skip);
           },
           [&](int64_t pw) { scalar(pw, 2 * pw, 1); });
       return;
     }
     for (int64_t pw = 0; pw < cols; ++pw) {
       const int64_t at = 2 * pw * L;
-      ForEachVector(
+      ForEachVectorOverlap(
           L,
-          [&](int64_t l) {
+          [&](int64_t l, int64_t done) {
             VecU out[4];
             Scatter4Vec<T>(vector_code(pw * L + l, at + l, false), V::Load(gr + pw * L + l),
                            kSentinel, out);
-            V::template Store<kStream>(d0 + at + l, out[0]);
-            V::template Store<kStream>(d0 + at + L + l, out[1]);
-            V::template Store<kStream>(d1 + at + l, out[2]);
-            V::template Store<kStream>(d1 + at + L + l, out[3]);
+            const size_t skip = done * sizeof(T);
+            V::template Store<kStream>(d0 + at + l, out[0], skip);
+            V::template Store<kStream>(d0 + at + L + l, out[1], skip);
+            V::template Store<kStream>(d1 + at + l, out[2], skip);
+            V::template Store<kStream>(d1 + at + L + l, out[3], skip);
           },
           [&](int64_t l) { scalar(pw * L + l, at + l, L); });
     }

@@ -46,14 +46,19 @@ TFRP_VEC_INLINE VecU SplatU(uint32_t u) { return VecU{} + u; }
 // 16-byte chunks made the bfloat16 NCHW backward slower, 64-byte ones left float32 NCHW rows of
 // 56 values unstreamed.
 constexpr size_t kStreamChunk = kVecBytes < 32 ? kVecBytes : 32;
+//
+// `skip`: bytes at the start that an earlier store already wrote with the same bits (the
+// overlapping last vector of a row, ForEachVector): streaming stores leave them out, since a
+// second streaming store to a line already on its way to memory is a partial-line write. A
+// multiple of the chunk width (StreamDz checks that every vector starts at one).
 template <bool kStream, typename V>
-TFRP_VEC_INLINE void PutVec(void* p, const V& v) {
+TFRP_VEC_INLINE void PutVec(void* p, const V& v, size_t skip = 0) {
   constexpr size_t kChunk = sizeof(V) < kStreamChunk ? sizeof(V) : kStreamChunk;
   if (!kStream || kChunk < 16 || reinterpret_cast<uintptr_t>(p) % kChunk != 0) {
     std::memcpy(p, &v, sizeof(V));
     return;
   }
-  for (size_t at = 0; at < sizeof(V); at += kChunk) {
+  for (size_t at = skip; at < sizeof(V); at += kChunk) {
     char* q = static_cast<char*>(p) + at;
     const char* src = reinterpret_cast<const char*>(&v) + at;
     if constexpr (kChunk == 16) {
@@ -115,12 +120,12 @@ TFRP_VEC_INLINE VecU Widen16(const void* p) {
 #endif
 }
 template <bool kStream>
-TFRP_VEC_INLINE void Narrow16(VecU v, void* p) {
+TFRP_VEC_INLINE void Narrow16(VecU v, void* p, size_t skip = 0) {
 #if TFRP_CPU_ISA_AVX512
-  PutVec<kStream>(p, _mm512_maskz_cvtepi32_epi16(0xffff, (__m512i)v));
+  PutVec<kStream>(p, _mm512_maskz_cvtepi32_epi16(0xffff, (__m512i)v), skip);
 #elif TFRP_CPU_ISA_AVX2
   const __m256i w = _mm256_packus_epi32((__m256i)v, (__m256i)v);  // per 128-bit half
-  PutVec<kStream>(p, _mm256_castsi256_si128(_mm256_permute4x64_epi64(w, 0x08)));
+  PutVec<kStream>(p, _mm256_castsi256_si128(_mm256_permute4x64_epi64(w, 0x08)), skip);
 #else
   // SSE2 has only the signed pack: sign-extend the 16-bit values first, so none saturates.
   const __m128i x = _mm_srai_epi32(_mm_slli_epi32((__m128i)v, 16), 16);
@@ -135,7 +140,8 @@ TFRP_VEC_INLINE void Narrow16(VecU v, void* p) {
 //   RoundExactOrNaN(f): the same, for f that T represents exactly or NaN (cheaper).
 //   Exact(f):       the same for f that T represents exactly (no rounding needed).
 //   Widen(bits):    ValueTraits<T>::ToAcc of T bits held in 32-bit lanes.
-//   Store / StorePairs: write T bits (32-bit lanes); StorePairs interleaves even and odd.
+//   Store / StorePairs: write T bits (32-bit lanes); StorePairs interleaves even and odd; `skip`
+//                   as in PutVec.
 template <typename T>
 struct VecType {
   static constexpr bool kSupported = false;
@@ -156,12 +162,14 @@ struct VecType<float> {
   static TFRP_VEC_INLINE VecU Exact(VecF f) { return (VecU)f; }
   static TFRP_VEC_INLINE VecF Widen(VecU bits) { return (VecF)bits; }
   template <bool kStream>
-  static TFRP_VEC_INLINE void Store(float* p, VecU bits) { PutVec<kStream>(p, bits); }
+  static TFRP_VEC_INLINE void Store(float* p, VecU bits, size_t skip = 0) {
+    PutVec<kStream>(p, bits, skip);
+  }
   template <bool kStream>
-  static TFRP_VEC_INLINE void StorePairs(float* p, VecU even, VecU odd) {
+  static TFRP_VEC_INLINE void StorePairs(float* p, VecU even, VecU odd, size_t skip = 0) {
     const VecU64 pairs =
         __builtin_convertvector(even, VecU64) | (__builtin_convertvector(odd, VecU64) << 32);
-    PutVec<kStream>(p, pairs);
+    PutVec<kStream>(p, pairs, skip);
   }
 };
 
@@ -192,11 +200,11 @@ struct VecType<BFloat16> {
   }
   static TFRP_VEC_INLINE VecF Widen(VecU bits) { return (VecF)(bits << 16); }
   template <bool kStream>
-  static TFRP_VEC_INLINE void Store(BFloat16* p, VecU bits) {
-    Narrow16<kStream>(bits, p);
+  static TFRP_VEC_INLINE void Store(BFloat16* p, VecU bits, size_t skip = 0) {
+    Narrow16<kStream>(bits, p, skip);
   }
   template <bool kStream>
-  static TFRP_VEC_INLINE void StorePairs(BFloat16* p, VecU even, VecU odd) {
-    PutVec<kStream>(p, even | (odd << 16));
+  static TFRP_VEC_INLINE void StorePairs(BFloat16* p, VecU even, VecU odd, size_t skip = 0) {
+    PutVec<kStream>(p, even | (odd << 16), skip);
   }
 };
