@@ -41,7 +41,8 @@ import tensorflow as tf
 
 import tf_relupool
 
-FULL_SHAPES = [(256, 32, 32, 64), (64, 56, 56, 64), (64, 112, 112, 64)]
+# The last: small planes (7 output columns in NCHW, fewer than a vector of AVX2 or AVX-512).
+FULL_SHAPES = [(256, 32, 32, 64), (64, 56, 56, 64), (64, 112, 112, 64), (256, 14, 14, 128)]
 QUICK_SHAPES = [(128, 16, 16, 128)]
 GPU_SHAPES = [(128, 112, 112, 64), (512, 32, 32, 64)]  # NHWC; NCHW is the same data transposed
 

