@@ -217,11 +217,16 @@ std::string SetCpuIsa(CpuIsa isa) {
 // widest path, up to the active one, whose vectors fit the row; every path gives the same bits.
 // Measured (AMD EPYC Zen 4, NCHW float32, forward with codes): 28x28 planes 4.5 ms on the AVX-512
 // path (16 lanes > 14 columns) and 0.74 ms on the AVX2 path; 14x14 planes 15.6 ms on AVX-512 or
-// AVX2 and 3.1 ms on the baseline path (4 lanes).
+// AVX2 and 3.1 ms on the baseline path (4 lanes). Except NCHW 2x2 stride-2 rows on the AVX-512
+// path, whose loops take a row narrower than a vector as one masked vector (kPartialVectors).
 #if TFRP_CPU_MULTI_ISA
 namespace {
 CpuIsa PathFor(const PoolParams& p) {
   CpuIsa isa = ActiveCpuIsa();
+  if (isa == CpuIsa::kAvx512 && p.lanes == 1 && p.window_rows == 2 && p.window_cols == 2 &&
+      p.stride_rows == 2 && p.stride_cols == 2) {
+    return isa;
+  }
   const int64_t row = p.lanes == 1 ? p.out_cols : p.lanes;
   if (isa == CpuIsa::kAvx512 && row < 16) isa = CpuIsa::kAvx2;
   if (isa == CpuIsa::kAvx2 && row < 8) isa = CpuIsa::kBaseline;

@@ -392,6 +392,135 @@ TFRP_VEC_INLINE void PrefetchAhead(const T* p, int64_t bytes) {
   for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(c + b);
 }
 
+// NCHW planes of at most kVecLanes / 2 output columns whose 2x2 windows tile them exactly (input
+// width and height twice the output's, no padding), on the AVX-512 path: a row is too narrow for
+// a vector of its own, but the input rows of consecutive output rows follow one another in
+// memory (the planes of a tensor do too), so k = kVecLanes / out_cols whole output rows share a
+// vector. Their 4 * out_cols * k input values (at most 64) are loaded as four vectors, and
+// permutes pick each window's four values out of them; the outputs (y, codes, dy) of the k rows
+// are consecutive too. The backward puts the four window gradients back in place the same way.
+#if TFRP_CPU_ISA_AVX512
+struct FlatRows {
+  int64_t cols, k;
+  VecU src[4];      // window position p (0..3), lane i: index of its value in the 64 loaded
+  VecU dst[4];      // dz vector q, lane e: lane of the window gradient it receives, + 16 if the
+                    // gradient is that of a right-hand position (permutes of two vectors)
+  __mmask16 bottom[4];  // dz vector q: lanes in a window's bottom row
+  explicit FlatRows(int64_t out_cols) : cols(out_cols), k(kVecLanes / out_cols) {
+    for (int64_t i = 0; i < kVecLanes; ++i) {
+      const int64_t j = i / cols, pw = i % cols;
+      const bool used = j < k;
+      const uint32_t tl = used ? static_cast<uint32_t>(j * 4 * cols + 2 * pw) : 0;
+      src[0][i] = tl;
+      src[1][i] = used ? tl + 1 : 0;
+      src[2][i] = used ? tl + static_cast<uint32_t>(2 * cols) : 0;
+      src[3][i] = used ? tl + static_cast<uint32_t>(2 * cols) + 1 : 0;
+    }
+    for (int q = 0; q < 4; ++q) {
+      bottom[q] = 0;
+      for (int64_t l = 0; l < kVecLanes; ++l) {
+        const int64_t e = q * kVecLanes + l;  // index in the k rows' dz values
+        const int64_t j = e / (4 * cols), r = e % (4 * cols);
+        const int64_t t = r / (2 * cols), c = r % (2 * cols);
+        const bool used = j < k;
+        dst[q][l] = used ? static_cast<uint32_t>(j * cols + c / 2 + (c % 2) * kVecLanes) : 0;
+        if (used && t == 1) bottom[q] |= static_cast<__mmask16>(1u << l);
+      }
+    }
+  }
+};
+
+// Lane i of the result: element idx[i] (0..63) of the 64 values in r[0..3].
+TFRP_VEC_INLINE VecF Pick64(const VecF r[4], VecU idx) {
+  const __m512 lo = _mm512_permutex2var_ps(r[0], (__m512i)idx, r[1]);  // uses idx & 31
+  const __m512 hi = _mm512_permutex2var_ps(r[2], (__m512i)idx, r[3]);
+  return _mm512_mask_blend_ps(_mm512_cmpge_epu32_mask((__m512i)idx, _mm512_set1_epi32(32)), lo, hi);
+}
+
+// The n <= 64 values at p as four vectors (lanes past n: 0).
+template <typename T>
+TFRP_VEC_INLINE void Load64(const T* p, int64_t n, VecF r[4]) {
+  for (int q = 0; q < 4; ++q) {
+    const int64_t left = n - q * kVecLanes;
+    r[q] = left >= kVecLanes ? VecType<T>::Load(p + q * kVecLanes)
+           : left > 0        ? VecType<T>::LoadPartial(p + q * kVecLanes, left)
+                             : VecF{};
+  }
+}
+
+template <typename T, bool kY, bool kCodes>
+void ForwardFlatRows(const PoolParams& p, const T* __restrict z, int64_t u_begin, int64_t u_end,
+                     T* __restrict y, uint8_t* __restrict codes) {
+  using V = VecType<T>;
+  const FlatRows f(p.out_cols);
+  const VecF vlowest = SplatF(ValueTraits<T>::Lowest());
+  constexpr uint32_t kSentinel = ArgmaxSentinel<uint8_t>();
+  for (int64_t u = u_begin; u < u_end; u += f.k) {
+    const int64_t n = std::min(f.k, u_end - u) * f.cols;  // outputs of this vector
+    VecF r[4], m;
+    VecU code;
+    Load64(z + 4 * u * f.cols, 4 * n, r);
+    Pool4Vec(Pick64(r, f.src[0]), Pick64(r, f.src[1]), Pick64(r, f.src[2]), Pick64(r, f.src[3]),
+             vlowest, kSentinel, &m, &code);
+    if (kY) V::StorePartial(y + u * f.cols, V::Exact(m), n);
+    if (kCodes) NarrowToBytesPartial(code, codes + u * f.cols, n);
+  }
+}
+
+template <typename T, bool kFromInput>
+void BackwardFlatRows(const PoolParams& p, const T* __restrict z, const uint8_t* __restrict codes,
+                      const T* __restrict dy, int64_t u_begin, int64_t u_end, T* __restrict dz) {
+  using V = VecType<T>;
+  const FlatRows f(p.out_cols);
+  const VecF vlowest = SplatF(ValueTraits<T>::Lowest());
+  constexpr uint32_t kSentinel = ArgmaxSentinel<uint8_t>();
+  for (int64_t u = u_begin; u < u_end; u += f.k) {
+    const int64_t n = std::min(f.k, u_end - u) * f.cols;
+    VecU code;
+    if (kFromInput) {
+      VecF r[4], m;
+      Load64(z + 4 * u * f.cols, 4 * n, r);
+      Pool4Vec(Pick64(r, f.src[0]), Pick64(r, f.src[1]), Pick64(r, f.src[2]), Pick64(r, f.src[3]),
+               vlowest, kSentinel, &m, &code);
+    } else {
+      code = WidenBytesPartial(codes + u * f.cols, n);
+    }
+    VecU g[4];
+    Scatter4Vec<T>(code, V::LoadPartial(dy + u * f.cols, n), kSentinel, g);
+    T* d = dz + 4 * u * f.cols;
+    for (int q = 0; q < 4; ++q) {
+      const int64_t left = 4 * n - q * kVecLanes;
+      if (left <= 0) break;
+      const __m512i idx = (__m512i)f.dst[q];
+      const VecU v = (VecU)_mm512_mask_blend_epi32(
+          f.bottom[q], _mm512_permutex2var_epi32((__m512i)g[0], idx, (__m512i)g[1]),
+          _mm512_permutex2var_epi32((__m512i)g[2], idx, (__m512i)g[3]));
+      if (left >= kVecLanes) {
+        V::template Store<false>(d + q * kVecLanes, v);
+      } else {
+        V::StorePartial(d + q * kVecLanes, v, left);
+      }
+    }
+  }
+}
+#else
+// Declared only, for the discarded `if constexpr (kPartialVectors)` branches: never instantiated.
+template <typename T, bool kY, bool kCodes>
+void ForwardFlatRows(const PoolParams& p, const T* z, int64_t u_begin, int64_t u_end, T* y,
+                     uint8_t* codes);
+template <typename T, bool kFromInput>
+void BackwardFlatRows(const PoolParams& p, const T* z, const uint8_t* codes, const T* dy,
+                      int64_t u_begin, int64_t u_end, T* dz);
+#endif
+
+// Whether output rows with `cols` full columns take ForwardFlatRows / BackwardFlatRows.
+inline bool UseFlatRows(const PoolParams& p, int64_t cols) {
+  return kPartialVectors && p.lanes == 1 && cols == p.out_cols && 2 * p.out_cols <= kVecLanes &&
+         p.in_cols == 2 * p.out_cols && p.in_rows == 2 * p.out_rows && p.pad_top == 0 &&
+         p.pad_left == 0 && p.window_rows == 2 && p.window_cols == 2 && p.stride_rows == 2 &&
+         p.stride_cols == 2;
+}
+
 // Units (output rows) [u_begin, u_end), all with full windows: their output columns [0, cols).
 // Calls row(u, img, ph) for each; the loops below take a whole run of rows per call, because an
 // NCHW row of a small image is a single vector and a call per row would cost more than the row.
@@ -412,6 +541,9 @@ TFRP_VEC_INLINE void ForEachRow(const PoolParams& p, int64_t u_begin, int64_t u_
 template <typename T, bool kY, bool kCodes, bool kStream>
 void Forward2x2Rows(const PoolParams& p, const T* __restrict z, int64_t u_begin, int64_t u_end,
                     int64_t cols, T* __restrict y, uint8_t* __restrict codes) {
+  if constexpr (kPartialVectors && !kStream) {
+    if (UseFlatRows(p, cols)) return ForwardFlatRows<T, kY, kCodes>(p, z, u_begin, u_end, y, codes);
+  }
   using V = VecType<T>;
   const int64_t L = p.lanes;
   const int64_t out_row = p.out_cols * L;
@@ -438,6 +570,18 @@ void Forward2x2Rows(const PoolParams& p, const T* __restrict z, int64_t u_begin,
       if (kCodes) NarrowToBytes<kStream>(code, cr + o);
     };
     if (L == 1) {
+      if constexpr (kPartialVectors) {
+        if (cols < kVecLanes) {  // the whole row in one partial vector
+          VecF v0, v1, v2, v3, m;
+          VecU code;
+          V::LoadPairsPartial(r0, cols, &v0, &v1);
+          V::LoadPairsPartial(r1, cols, &v2, &v3);
+          Pool4Vec(v0, v1, v2, v3, vlowest, kSentinel, &m, &code);
+          if (kY) V::StorePartial(yr, V::Exact(m), cols);
+          if (kCodes) NarrowToBytesPartial(code, cr, cols);
+          return;
+        }
+      }
       // NCHW: kVecLanes outputs of the row from 2 * kVecLanes values of each input row.
       ForEachVector(
           cols,
@@ -480,6 +624,11 @@ template <typename T, bool kFromInput, bool kStream>
 void Backward2x2Rows(const PoolParams& p, const T* __restrict z, const uint8_t* __restrict codes,
                      const T* __restrict dy, int64_t u_begin, int64_t u_end, int64_t cols,
                      T* __restrict dz) {
+  if constexpr (kPartialVectors && !kStream) {
+    if (UseFlatRows(p, cols)) {
+      return BackwardFlatRows<T, kFromInput>(p, z, codes, dy, u_begin, u_end, dz);
+    }
+  }
   using V = VecType<T>;
   const int64_t L = p.lanes;
   const int64_t row = p.in_cols * L;
@@ -541,6 +690,24 @@ void Backward2x2Rows(const PoolParams& p, const T* __restrict z, const uint8_t* 
       return code;
     };
     if (L == 1) {
+      if constexpr (kPartialVectors) {
+        if (cols < kVecLanes) {  // the whole row in one partial vector
+          VecU code;
+          if (kFromInput) {
+            VecF v0, v1, v2, v3, m;
+            V::LoadPairsPartial(r0, cols, &v0, &v1);
+            V::LoadPairsPartial(r1, cols, &v2, &v3);
+            Pool4Vec(v0, v1, v2, v3, vlowest, kSentinel, &m, &code);
+          } else {
+            code = WidenBytesPartial(cr, cols);
+          }
+          VecU out[4];
+          Scatter4Vec<T>(code, V::LoadPartial(gr, cols), kSentinel, out);
+          V::StorePairsPartial(d0, out[0], out[1], cols);
+          V::StorePairsPartial(d1, out[2], out[3], cols);
+          return;
+        }
+      }
       ForEachVectorOverlap(
           cols,
           [&](int64_t pw, int64_t done) {

@@ -133,6 +133,29 @@ TFRP_VEC_INLINE void Narrow16(VecU v, void* p, size_t skip = 0) {
 #endif
 }
 
+// Rows narrower than a vector (an NCHW row of a small image) take one partial vector where the
+// instruction set has masked loads and stores (AVX-512): the first n < kVecLanes lanes are read
+// and written, the others read as 0 (a masked load never faults on them) and are not stored.
+#if TFRP_CPU_ISA_AVX512
+constexpr bool kPartialVectors = true;
+TFRP_VEC_INLINE __mmask16 FirstLanes(int64_t n) { return static_cast<__mmask16>((1u << n) - 1); }
+template <typename = void>  // a template, like the declaration-only version below
+TFRP_VEC_INLINE VecU WidenBytesPartial(const uint8_t* p, int64_t n) {
+  return (VecU)_mm512_maskz_cvtepu8_epi32(0xffff, _mm_maskz_loadu_epi8(FirstLanes(n), p));
+}
+template <typename = void>
+TFRP_VEC_INLINE void NarrowToBytesPartial(VecU v, uint8_t* p, int64_t n) {
+  _mm512_mask_cvtepi32_storeu_epi8(p, FirstLanes(n), (__m512i)v);
+}
+#else
+constexpr bool kPartialVectors = false;
+// Declared only, for the discarded `if constexpr (kPartialVectors)` branches: never instantiated.
+template <typename = void>
+VecU WidenBytesPartial(const uint8_t* p, int64_t n);
+template <typename = void>
+void NarrowToBytesPartial(VecU v, uint8_t* p, int64_t n);
+#endif
+
 // Value types with a vector path: float and bfloat16, both computed in float lanes.
 //   Load(p):        kVecLanes consecutive values as floats (exact).
 //   LoadPairs(p):   2 * kVecLanes consecutive values, split into even and odd elements.
@@ -142,6 +165,8 @@ TFRP_VEC_INLINE void Narrow16(VecU v, void* p, size_t skip = 0) {
 //   Widen(bits):    ValueTraits<T>::ToAcc of T bits held in 32-bit lanes.
 //   Store / StorePairs: write T bits (32-bit lanes); StorePairs interleaves even and odd; `skip`
 //                   as in PutVec.
+//   LoadPartial, LoadPairsPartial, StorePartial, StorePairsPartial (kPartialVectors only): the
+//                   same for the first n < kVecLanes lanes.
 template <typename T>
 struct VecType {
   static constexpr bool kSupported = false;
@@ -171,6 +196,32 @@ struct VecType<float> {
         __builtin_convertvector(even, VecU64) | (__builtin_convertvector(odd, VecU64) << 32);
     PutVec<kStream>(p, pairs, skip);
   }
+#if TFRP_CPU_ISA_AVX512
+  static TFRP_VEC_INLINE VecF LoadPartial(const float* p, int64_t n) {
+    return _mm512_maskz_loadu_ps(FirstLanes(n), p);
+  }
+  // 2n values from two masked loads; even and odd elements picked across both registers.
+  static TFRP_VEC_INLINE void LoadPairsPartial(const float* p, int64_t n, VecF* even, VecF* odd) {
+    const __mmask16 lo = n >= 8 ? 0xffff : FirstLanes(2 * n);
+    const __mmask16 hi = n >= 8 ? FirstLanes(2 * n - 16) : 0;
+    const __m512 a = _mm512_maskz_loadu_ps(lo, p), b = _mm512_maskz_loadu_ps(hi, p + 16);
+    const VecU lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+    *even = _mm512_permutex2var_ps(a, (__m512i)(2 * lane), b);
+    *odd = _mm512_permutex2var_ps(a, (__m512i)(2 * lane + 1), b);
+  }
+  static TFRP_VEC_INLINE void StorePartial(float* p, VecU bits, int64_t n) {
+    _mm512_mask_storeu_epi32(p, FirstLanes(n), (__m512i)bits);
+  }
+  // Interleaves even and odd (lane i of the first register: even[i / 2] or odd[i / 2]) and
+  // stores the first 2n values.
+  static TFRP_VEC_INLINE void StorePairsPartial(float* p, VecU even, VecU odd, int64_t n) {
+    const VecU half = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23};
+    const __m512i a = _mm512_permutex2var_epi32((__m512i)even, (__m512i)half, (__m512i)odd);
+    const __m512i b = _mm512_permutex2var_epi32((__m512i)even, (__m512i)(half + 8), (__m512i)odd);
+    _mm512_mask_storeu_epi32(p, n >= 8 ? 0xffff : FirstLanes(2 * n), a);
+    if (n > 8) _mm512_mask_storeu_epi32(p + 16, FirstLanes(2 * n - 16), b);
+  }
+#endif
 };
 
 template <>
@@ -207,4 +258,21 @@ struct VecType<BFloat16> {
   static TFRP_VEC_INLINE void StorePairs(BFloat16* p, VecU even, VecU odd, size_t skip = 0) {
     PutVec<kStream>(p, even | (odd << 16), skip);
   }
+#if TFRP_CPU_ISA_AVX512
+  static TFRP_VEC_INLINE VecF LoadPartial(const BFloat16* p, int64_t n) {
+    return (VecF)((VecU)_mm512_maskz_cvtepu16_epi32(0xffff, _mm256_maskz_loadu_epi16(FirstLanes(n), p))
+                  << 16);
+  }
+  static TFRP_VEC_INLINE void LoadPairsPartial(const BFloat16* p, int64_t n, VecF* even, VecF* odd) {
+    const VecU pairs = (VecU)_mm512_maskz_loadu_epi32(FirstLanes(n), p);  // lane i: elements 2i, 2i+1
+    *even = (VecF)(pairs << 16);
+    *odd = (VecF)(pairs & 0xffff0000u);
+  }
+  static TFRP_VEC_INLINE void StorePartial(BFloat16* p, VecU bits, int64_t n) {
+    _mm256_mask_storeu_epi16(p, FirstLanes(n), _mm512_maskz_cvtepi32_epi16(0xffff, (__m512i)bits));
+  }
+  static TFRP_VEC_INLINE void StorePairsPartial(BFloat16* p, VecU even, VecU odd, int64_t n) {
+    _mm512_mask_storeu_epi32(p, FirstLanes(n), (__m512i)(even | (odd << 16)));
+  }
+#endif
 };

@@ -388,6 +388,29 @@ void CheckStreamedCases(std::mt19937_64& rng, const ParallelRunner& runner) {
   }
 }
 
+// 2x2 stride-2 problems for every row width from 1 to 40 (NCHW: output columns, even and odd
+// input sizes; NHWC: channels): rows narrower than a vector (several rows or one partial vector
+// per vector on AVX-512, a narrower path elsewhere), whole vectors, an overlapping last vector.
+void CheckEveryRowWidth(std::mt19937_64& rng, const ParallelRunner& runner) {
+  for (int64_t width = 1; width <= 40; ++width) {
+    for (int variant = 0; variant < 3; ++variant) {
+      const DataFormat fmt = variant < 2 ? DataFormat::kNCHW : DataFormat::kNHWC;
+      const bool nhwc = fmt == DataFormat::kNHWC;
+      // NCHW: even input sizes (windows tile the planes: ForwardFlatRows on AVX-512), then odd.
+      const int64_t cols = nhwc ? 6 : 2 * width + variant, rows = 4 + variant;
+      const int64_t dims[4] = {3, nhwc ? rows : 3, nhwc ? cols : rows, nhwc ? width : cols};
+      const int64_t four[4] = {1, nhwc ? 2 : 1, 2, nhwc ? 1 : 2};
+      PoolParams p;
+      const std::string err =
+          ComputePoolParams(dims, 4, four, 4, four, 4, Padding::kValid, fmt, &p, nullptr, 0);
+      CHECK(err.empty(), "valid params refused: %s", err.c_str());
+      if (!err.empty()) continue;
+      CheckCase<float, uint8_t>(p, rng, runner, "float");
+      CheckCase<BFloat16, uint8_t>(p, rng, runner, "bfloat16");
+    }
+  }
+}
+
 // ComputePoolParams refuses bad inputs with a message naming the argument, never crashes.
 void CheckValidation() {
   PoolParams p;
@@ -546,6 +569,8 @@ int main(int argc, char** argv) {
       const ParallelRunner& runner = it % 2 ? static_cast<const ParallelRunner&>(threaded) : serial;
       CheckOneRandomCase(rng, runner, it % 40 == 39);
     }
+    CheckEveryRowWidth(rng, serial);
+    CheckEveryRowWidth(rng, ThreadRunner(threads, seed + 7));
     CheckStreamedCases(rng, ThreadRunner(threads, seed));
     CheckConcurrentCalls<float>(seed, threads);
     CheckConcurrentCalls<BFloat16>(seed + 1, threads);
