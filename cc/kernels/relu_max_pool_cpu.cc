@@ -218,7 +218,8 @@ std::string SetCpuIsa(CpuIsa isa) {
 // Measured (AMD EPYC Zen 4, NCHW float32, forward with codes): 28x28 planes 4.5 ms on the AVX-512
 // path (16 lanes > 14 columns) and 0.74 ms on the AVX2 path; 14x14 planes 15.6 ms on AVX-512 or
 // AVX2 and 3.1 ms on the baseline path (4 lanes). Except NCHW 2x2 stride-2 rows on the AVX-512
-// path, whose loops take a row narrower than a vector as one masked vector (kPartialVectors).
+// path, whose loops take rows narrower than a vector themselves (several whole rows per vector,
+// or one masked vector per row: kPartialVectors, relu_max_pool_cpu_impl.h's FlatRows).
 #if TFRP_CPU_MULTI_ISA
 namespace {
 CpuIsa PathFor(const PoolParams& p) {
