@@ -259,7 +259,7 @@ constexpr int64_t kHugePageBytes = int64_t{2} << 20;
 constexpr int64_t kAdviseMinBytes = 4 * kHugePageBytes;
 void AdviseHugePages(void* p, int64_t bytes) {
 #if defined(__linux__) && defined(MADV_HUGEPAGE)
-  if (bytes < kAdviseMinBytes) return;
+  if (p == nullptr || bytes < kAdviseMinBytes) return;
   const uintptr_t huge = kHugePageBytes;
   const uintptr_t begin = (reinterpret_cast<uintptr_t>(p) + huge - 1) & ~(huge - 1);
   const uintptr_t end = (reinterpret_cast<uintptr_t>(p) + bytes) & ~(huge - 1);
