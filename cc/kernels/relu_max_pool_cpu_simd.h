@@ -134,7 +134,7 @@ TFRP_VEC_INLINE void Narrow16(VecU v, void* p, size_t skip = 0) {
 }
 
 // Rows narrower than a vector (an NCHW row of a small image) take one partial vector where the
-// instruction set has masked loads and stores (AVX-512): the first n < kVecLanes lanes are read
+// instruction set has masked loads and stores (AVX-512): the first n <= kVecLanes lanes are read
 // and written, the others read as 0 (a masked load never faults on them) and are not stored.
 #if TFRP_CPU_ISA_AVX512
 constexpr bool kPartialVectors = true;
@@ -165,8 +165,8 @@ void NarrowToBytesPartial(VecU v, uint8_t* p, int64_t n);
 //   Widen(bits):    ValueTraits<T>::ToAcc of T bits held in 32-bit lanes.
 //   Store / StorePairs: write T bits (32-bit lanes); StorePairs interleaves even and odd; `skip`
 //                   as in PutVec.
-//   LoadPartial, LoadPairsPartial, StorePartial, StorePairsPartial (kPartialVectors only): the
-//                   same for the first n < kVecLanes lanes.
+//   LoadPartial, StorePartial (kPartialVectors only): the same for the first n <= kVecLanes
+//                   lanes; LoadPairsPartial, StorePairsPartial: for n < kVecLanes.
 template <typename T>
 struct VecType {
   static constexpr bool kSupported = false;
@@ -260,16 +260,19 @@ struct VecType<BFloat16> {
   }
 #if TFRP_CPU_ISA_AVX512
   static TFRP_VEC_INLINE VecF LoadPartial(const BFloat16* p, int64_t n) {
-    return (VecF)((VecU)_mm512_maskz_cvtepu16_epi32(0xffff, _mm256_maskz_loadu_epi16(FirstLanes(n), p))
-                  << 16);
+    const __m256i bits = _mm256_maskz_loadu_epi16(FirstLanes(n), p);
+    return (VecF)((VecU)_mm512_maskz_cvtepu16_epi32(0xffff, bits) << 16);
   }
-  static TFRP_VEC_INLINE void LoadPairsPartial(const BFloat16* p, int64_t n, VecF* even, VecF* odd) {
-    const VecU pairs = (VecU)_mm512_maskz_loadu_epi32(FirstLanes(n), p);  // lane i: elements 2i, 2i+1
+  static TFRP_VEC_INLINE void LoadPairsPartial(const BFloat16* p, int64_t n, VecF* even,
+                                               VecF* odd) {
+    // Lane i: elements 2i and 2i + 1.
+    const VecU pairs = (VecU)_mm512_maskz_loadu_epi32(FirstLanes(n), p);
     *even = (VecF)(pairs << 16);
     *odd = (VecF)(pairs & 0xffff0000u);
   }
   static TFRP_VEC_INLINE void StorePartial(BFloat16* p, VecU bits, int64_t n) {
-    _mm256_mask_storeu_epi16(p, FirstLanes(n), _mm512_maskz_cvtepi32_epi16(0xffff, (__m512i)bits));
+    const __m256i narrow = _mm512_maskz_cvtepi32_epi16(0xffff, (__m512i)bits);
+    _mm256_mask_storeu_epi16(p, FirstLanes(n), narrow);
   }
   static TFRP_VEC_INLINE void StorePairsPartial(BFloat16* p, VecU even, VecU odd, int64_t n) {
     _mm512_mask_storeu_epi32(p, FirstLanes(n), (__m512i)(even | (odd << 16)));

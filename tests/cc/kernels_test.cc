@@ -376,8 +376,8 @@ void CheckStreamedCases(std::mt19937_64& rng, const ParallelRunner& runner) {
     const bool nhwc = c.fmt == DataFormat::kNHWC;
     const int64_t four[4] = {1, nhwc ? 2 : 1, 2, nhwc ? 1 : 2};
     PoolParams p;
-    const std::string err = ComputePoolParams(c.dims, 4, four, 4, four, 4, Padding::kValid, c.fmt, &p,
-                                              nullptr, 0);
+    const std::string err =
+        ComputePoolParams(c.dims, 4, four, 4, four, 4, Padding::kValid, c.fmt, &p, nullptr, 0);
     CHECK(err.empty(), "valid params refused: %s", err.c_str());
     if (!err.empty()) continue;
     if (c.bf16) {
