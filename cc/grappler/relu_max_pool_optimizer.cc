@@ -501,13 +501,13 @@ class Rewriter : public GraphPass {
       for (int64_t x : v)
         if (x <= 0 || x > 0x7fffffff) return name + " out of range";
     }
-    if (padding == "EXPLICIT") {  // ksize has its 4 entries (above)
-      return tf_relupool::CheckExplicitPaddings(
-          w->explicit_paddings.data(), static_cast<int>(w->explicit_paddings.size()),
-          w->ksize.data(), nhwc ? tf_relupool::DataFormat::kNHWC : tf_relupool::DataFormat::kNCHW);
-    }
-    if (!w->explicit_paddings.empty()) return "explicit_paddings with padding " + padding;
-    return "";
+    // ksize has its 4 entries (above).
+    return tf_relupool::CheckExplicitPaddings(
+        padding == "EXPLICIT" ? tf_relupool::Padding::kExplicit
+        : padding == "SAME"   ? tf_relupool::Padding::kSame
+                              : tf_relupool::Padding::kValid,
+        w->explicit_paddings.data(), static_cast<int>(w->explicit_paddings.size()),
+        w->ksize.data(), nhwc ? tf_relupool::DataFormat::kNHWC : tf_relupool::DataFormat::kNCHW);
   }
 
   // Why the Pad cannot move past the ReLU, or "". relu(pad(z, c)) == pad(relu(z), c) element

@@ -88,12 +88,13 @@ TFRP_HD void OutputsCovering(int64_t in, int64_t pad, int64_t window, int64_t st
 std::string CheckPoolAttrs(const int64_t* ksize, int ksize_len, const int64_t* strides,
                            int strides_len, DataFormat format);
 
-// Checks explicit_paddings for padding EXPLICIT: 8 entries (before, after) per dimension in
-// data_format order, zero on the batch and channel dimensions, and, as TensorFlow's MaxPool
-// requires, each spatial one >= 0 and smaller than the window along it (so that every window
-// holds an input position). Returns "" when valid, otherwise a message naming the attribute.
-std::string CheckExplicitPaddings(const int64_t* paddings, int paddings_len, const int64_t* ksize,
-                                  DataFormat format);
+// Checks the explicit_paddings attribute against padding. With padding EXPLICIT: 8 entries
+// (before, after) per dimension in data_format order, zero on the batch and channel dimensions,
+// and, as TensorFlow's MaxPool requires, each spatial one >= 0 and smaller than the window along
+// it (so that every window holds an input position); otherwise it must be empty. ksize: 4
+// valid entries (CheckPoolAttrs). Returns "" when valid, otherwise a message naming the attribute.
+std::string CheckExplicitPaddings(Padding padding, const int64_t* paddings, int paddings_len,
+                                  const int64_t* ksize, DataFormat format);
 
 // Output size along one spatial dimension, TensorFlow's formula: VALID gives
 // max(0, (in - window + stride) / stride), SAME gives ceil(in / stride), EXPLICIT (with

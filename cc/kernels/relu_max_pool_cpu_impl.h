@@ -400,6 +400,24 @@ TFRP_VEC_INLINE void PrefetchAhead(const T* p, int64_t bytes) {
 // permutes pick each window's four values out of them; the outputs (y, codes, dy) of the k rows
 // are consecutive too. The backward puts the four window gradients back in place the same way.
 #if TFRP_CPU_ISA_AVX512
+// Lane i of the result: element idx[i] (0..63) of the 64 values in r[0..3].
+TFRP_VEC_INLINE VecF Pick64(const VecF r[4], VecU idx) {
+  const __m512 lo = _mm512_permutex2var_ps(r[0], (__m512i)idx, r[1]);  // uses idx & 31
+  const __m512 hi = _mm512_permutex2var_ps(r[2], (__m512i)idx, r[3]);
+  return _mm512_mask_blend_ps(_mm512_cmpge_epu32_mask((__m512i)idx, _mm512_set1_epi32(32)), lo, hi);
+}
+
+// The n <= 64 values at p as four vectors (lanes past n: 0).
+template <typename T>
+TFRP_VEC_INLINE void Load64(const T* p, int64_t n, VecF r[4]) {
+  for (int q = 0; q < 4; ++q) {
+    const int64_t left = n - q * kVecLanes;
+    r[q] = left >= kVecLanes ? VecType<T>::Load(p + q * kVecLanes)
+           : left > 0        ? VecType<T>::LoadPartial(p + q * kVecLanes, left)
+                             : VecF{};
+  }
+}
+
 struct FlatRows {
   int64_t cols, k;
   VecU src[4];      // window position p (0..3), lane i: index of its value in the 64 loaded
@@ -428,25 +446,16 @@ struct FlatRows {
       }
     }
   }
-};
 
-// Lane i of the result: element idx[i] (0..63) of the 64 values in r[0..3].
-TFRP_VEC_INLINE VecF Pick64(const VecF r[4], VecU idx) {
-  const __m512 lo = _mm512_permutex2var_ps(r[0], (__m512i)idx, r[1]);  // uses idx & 31
-  const __m512 hi = _mm512_permutex2var_ps(r[2], (__m512i)idx, r[3]);
-  return _mm512_mask_blend_ps(_mm512_cmpge_epu32_mask((__m512i)idx, _mm512_set1_epi32(32)), lo, hi);
-}
-
-// The n <= 64 values at p as four vectors (lanes past n: 0).
-template <typename T>
-TFRP_VEC_INLINE void Load64(const T* p, int64_t n, VecF r[4]) {
-  for (int q = 0; q < 4; ++q) {
-    const int64_t left = n - q * kVecLanes;
-    r[q] = left >= kVecLanes ? VecType<T>::Load(p + q * kVecLanes)
-           : left > 0        ? VecType<T>::LoadPartial(p + q * kVecLanes, left)
-                             : VecF{};
+  // Pools the windows of a group of rows from its n <= 64 input values at z.
+  template <typename T>
+  TFRP_VEC_INLINE void Pool(const T* z, int64_t n, VecF lowest, VecF* max, VecU* code) const {
+    VecF r[4];
+    Load64(z, n, r);
+    Pool4Vec(Pick64(r, src[0]), Pick64(r, src[1]), Pick64(r, src[2]), Pick64(r, src[3]), lowest,
+             ArgmaxSentinel<uint8_t>(), max, code);
   }
-}
+};
 
 template <typename T, bool kY, bool kCodes>
 void ForwardFlatRows(const PoolParams& p, const T* __restrict z, int64_t u_begin, int64_t u_end,
@@ -454,14 +463,11 @@ void ForwardFlatRows(const PoolParams& p, const T* __restrict z, int64_t u_begin
   using V = VecType<T>;
   const FlatRows f(p.out_cols);
   const VecF vlowest = SplatF(ValueTraits<T>::Lowest());
-  constexpr uint32_t kSentinel = ArgmaxSentinel<uint8_t>();
   for (int64_t u = u_begin; u < u_end; u += f.k) {
     const int64_t n = std::min(f.k, u_end - u) * f.cols;  // outputs of this vector
-    VecF r[4], m;
+    VecF m;
     VecU code;
-    Load64(z + 4 * u * f.cols, 4 * n, r);
-    Pool4Vec(Pick64(r, f.src[0]), Pick64(r, f.src[1]), Pick64(r, f.src[2]), Pick64(r, f.src[3]),
-             vlowest, kSentinel, &m, &code);
+    f.Pool(z + 4 * u * f.cols, 4 * n, vlowest, &m, &code);
     if (kY) V::StorePartial(y + u * f.cols, V::Exact(m), n);
     if (kCodes) NarrowToBytesPartial(code, codes + u * f.cols, n);
   }
@@ -478,10 +484,8 @@ void BackwardFlatRows(const PoolParams& p, const T* __restrict z, const uint8_t*
     const int64_t n = std::min(f.k, u_end - u) * f.cols;
     VecU code;
     if (kFromInput) {
-      VecF r[4], m;
-      Load64(z + 4 * u * f.cols, 4 * n, r);
-      Pool4Vec(Pick64(r, f.src[0]), Pick64(r, f.src[1]), Pick64(r, f.src[2]), Pick64(r, f.src[3]),
-               vlowest, kSentinel, &m, &code);
+      VecF m;
+      f.Pool(z + 4 * u * f.cols, 4 * n, vlowest, &m, &code);
     } else {
       code = WidenBytesPartial(codes + u * f.cols, n);
     }
@@ -512,6 +516,17 @@ template <typename T, bool kFromInput>
 void BackwardFlatRows(const PoolParams& p, const T* z, const uint8_t* codes, const T* dy,
                       int64_t u_begin, int64_t u_end, T* dz);
 #endif
+
+// The windows of the first n < kVecLanes outputs of an NCHW row whose two input rows start at r0
+// and r1, as one partial vector (kPartialVectors only).
+template <typename T>
+TFRP_VEC_INLINE void PoolRowPartial(const T* r0, const T* r1, int64_t n, VecF lowest, VecF* max,
+                                    VecU* code) {
+  VecF v0, v1, v2, v3;
+  VecType<T>::LoadPairsPartial(r0, n, &v0, &v1);
+  VecType<T>::LoadPairsPartial(r1, n, &v2, &v3);
+  Pool4Vec(v0, v1, v2, v3, lowest, ArgmaxSentinel<uint8_t>(), max, code);
+}
 
 // Whether output rows with `cols` full columns take ForwardFlatRows / BackwardFlatRows.
 inline bool UseFlatRows(const PoolParams& p, int64_t cols) {
@@ -572,11 +587,9 @@ void Forward2x2Rows(const PoolParams& p, const T* __restrict z, int64_t u_begin,
     if (L == 1) {
       if constexpr (kPartialVectors) {
         if (cols < kVecLanes) {  // the whole row in one partial vector
-          VecF v0, v1, v2, v3, m;
+          VecF m;
           VecU code;
-          V::LoadPairsPartial(r0, cols, &v0, &v1);
-          V::LoadPairsPartial(r1, cols, &v2, &v3);
-          Pool4Vec(v0, v1, v2, v3, vlowest, kSentinel, &m, &code);
+          PoolRowPartial(r0, r1, cols, vlowest, &m, &code);
           if (kY) V::StorePartial(yr, V::Exact(m), cols);
           if (kCodes) NarrowToBytesPartial(code, cr, cols);
           return;
@@ -694,10 +707,8 @@ void Backward2x2Rows(const PoolParams& p, const T* __restrict z, const uint8_t* 
         if (cols < kVecLanes) {  // the whole row in one partial vector
           VecU code;
           if (kFromInput) {
-            VecF v0, v1, v2, v3, m;
-            V::LoadPairsPartial(r0, cols, &v0, &v1);
-            V::LoadPairsPartial(r1, cols, &v2, &v3);
-            Pool4Vec(v0, v1, v2, v3, vlowest, kSentinel, &m, &code);
+            VecF m;
+            PoolRowPartial(r0, r1, cols, vlowest, &m, &code);
           } else {
             code = WidenBytesPartial(cr, cols);
           }

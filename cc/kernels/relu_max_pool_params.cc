@@ -43,8 +43,14 @@ std::string CheckPoolAttrs(const int64_t* ksize, int ksize_len, const int64_t* s
   return err;
 }
 
-std::string CheckExplicitPaddings(const int64_t* paddings, int paddings_len, const int64_t* ksize,
-                                  DataFormat format) {
+std::string CheckExplicitPaddings(Padding padding, const int64_t* paddings, int paddings_len,
+                                  const int64_t* ksize, DataFormat format) {
+  if (padding != Padding::kExplicit) {
+    if (paddings_len == 0) return "";
+    return "explicit_paddings must be empty unless padding is EXPLICIT, got " +
+           Str(paddings_len) + " elements with padding " +
+           (padding == Padding::kSame ? "SAME" : "VALID");
+  }
   if (paddings_len != 8) {
     return "explicit_paddings must have 8 elements (before and after each dimension of the "
            "input) with padding EXPLICIT, got " + Str(paddings_len);
@@ -97,9 +103,9 @@ std::string ComputePoolParams(const int64_t* input_dims, int input_rank, const i
   }
   std::string err = CheckPoolAttrs(ksize, ksize_len, strides, strides_len, format);
   if (err.empty() && padding == Padding::kExplicit) {
-    err = CheckExplicitPaddings(explicit_paddings, explicit_paddings == nullptr ? 0
-                                                                               : explicit_paddings_len,
-                                ksize, format);
+    err = CheckExplicitPaddings(padding, explicit_paddings,
+                                explicit_paddings == nullptr ? 0 : explicit_paddings_len, ksize,
+                                format);
   }
   if (!err.empty()) return err;
 

@@ -37,15 +37,12 @@ absl::Status ReadPoolAttrs(AttrSource* src, PoolAttrs* attrs) {
   std::string err =
       CheckPoolAttrs(attrs->ksize.data(), static_cast<int>(attrs->ksize.size()),
                      attrs->strides.data(), static_cast<int>(attrs->strides.size()), attrs->format);
-  if (err.empty() && attrs->padding == Padding::kExplicit) {
-    err = CheckExplicitPaddings(paddings.data(), static_cast<int>(paddings.size()),
+  if (err.empty()) {
+    err = CheckExplicitPaddings(attrs->padding, paddings.data(), static_cast<int>(paddings.size()),
                                 attrs->ksize.data(), attrs->format);
-    attrs->explicit_paddings = paddings;
-  } else if (err.empty() && !paddings.empty()) {
-    err = "explicit_paddings must be empty unless padding is EXPLICIT, got " +
-          std::to_string(paddings.size()) + " elements with padding " + padding;
   }
   if (!err.empty()) return absl::InvalidArgumentError(err);
+  attrs->explicit_paddings = paddings;  // empty unless padding is EXPLICIT (checked above)
   return absl::OkStatus();
 }
 
