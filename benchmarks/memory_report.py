@@ -9,10 +9,12 @@ For each model of examples/models.py (simple CNN, VGG-style, ResNet-style) and e
 
 it measures, at several batch sizes, the peak memory of one training step (forward, backward,
 SGD update) above what is resident before the step, from TensorFlow's BFC allocator statistics
-(TF_CPU_ALLOCATOR_USE_BFC=true, inter-op parallelism 1; the maximum over a few steps after a
-warm-up step), the median step time (a separate process with TensorFlow's default threading,
-variants interleaved round by round), and the largest batch whose peak fits under a memory cap
-(stock's peak at the reference batch, 128 by default), found by bisection on measured peaks.
+(TF_CPU_ALLOCATOR_USE_BFC=true, inter-op parallelism 1; the median over a few steps after a
+warm-up step; each variant in a process of its own), the median step time (a separate process
+with TensorFlow's default threading, variants interleaved round by round), and the largest batch
+whose peak fits under a memory cap (stock's peak at the reference batch, 128 by default), found
+by bracketing and bisection on measured peaks: the batch before the first measured one over the
+cap (peaks jump where a tensor outgrows a power of two, see last_fitting_batch).
 
 Writes a Markdown report and a PNG plot (peak memory against batch size, one line per variant,
 one panel per model) and prints the table.
@@ -65,8 +67,9 @@ def _setup_tf(deterministic_memory):
     return tf
 
 
-def build_steps(tf, model_name, seed=0):
-    """{variant: (train step tf.function, keep)} for one model, all from the same weights."""
+def build_steps(tf, model_name, seed=0, variants=VARIANTS):
+    """{variant: (train step tf.function, keep)} for one model's `variants`, all from the same
+    weights (the seed's)."""
     import keras
     import models
     import tf_relupool
@@ -100,11 +103,15 @@ def build_steps(tf, model_name, seed=0):
             return x
         return forward
 
-    steps = {"stock": (make_step(base), None),
-             "recompute_grad": (make_step(base, recompute_forward(base)), None)}
+    steps = {}
+    if "stock" in variants:
+        steps["stock"] = (make_step(base), None)
+    if "recompute_grad" in variants:
+        steps["recompute_grad"] = (make_step(base, recompute_forward(base)), None)
     for variant, keep in (("fused argmax", "argmax"), ("fused input", "input")):
-        fused = tf_relupool.rewrite_model(base)  # layers follow the switch when traced
-        steps[variant] = (make_step(fused), keep)
+        if variant in variants:
+            fused = tf_relupool.rewrite_model(base)  # layers follow the switch when traced
+            steps[variant] = (make_step(fused), keep)
     return steps
 
 
@@ -171,33 +178,62 @@ def largest_batch(peak_of, cap, guess, tolerance):
     return lo
 
 
+def last_fitting_batch(peaks, cap):
+    """The largest measured batch whose peak fits under `cap` with no smaller measured batch
+    over it ({batch: peak}; 0 when the smallest is over).
+
+    Peaks are not monotonic in the batch size: the BFC allocator hands a request a whole free
+    chunk when splitting it would leave less than the request (internal fragmentation), so a
+    tensor that just outgrows a power of two can take twice its size (measured here: the simple
+    CNN's stock step 50 MiB at batch 64, 69-74 MiB at 65). A user raising the batch stops at the
+    first one that does not fit; this is that batch's predecessor among the measured ones."""
+    largest = 0
+    for b in sorted(peaks):
+        if peaks[b] > cap:
+            break
+        largest = b
+    return largest
+
+
 def worker_peaks(args):
+    """One variant's peaks, in a process of its own: the allocator's free chunks, and with them
+    its internal fragmentation, then depend on that variant's own steps only."""
     tf = _setup_tf(deterministic_memory=True)
-    steps = build_steps(tf, args.model)
+    step, keep = build_steps(tf, args.model, variants=[args.variant])[args.variant]
     cache = {}
 
-    def peak_of(variant, batch):
-        if (variant, batch) not in cache:
-            step, keep = steps[variant]
-            cache[(variant, batch)] = measure_peak(tf, step, keep, batch, args.reps)
-        return statistics.median(cache[(variant, batch)])
+    def peak_of(batch):
+        if batch not in cache:
+            cache[batch] = measure_peak(tf, step, keep, batch, args.reps)
+        return statistics.median(cache[batch])
 
-    result = {"peaks": {}, "largest": {}}
-    for variant in VARIANTS:
-        result["peaks"][variant] = {b: peak_of(variant, b) for b in args.batch_sizes}
-    cap = peak_of("stock", args.cap_batch)
+    result = {"peaks": {b: peak_of(b) for b in args.batch_sizes}}
+    cap = args.cap_bytes if args.cap_bytes is not None else peak_of(args.cap_batch)
     result["cap"] = cap
     if args.search:
-        for variant in VARIANTS:
-            guess = args.cap_batch * cap / max(1, peak_of(variant, args.cap_batch))
-            result["largest"][variant] = largest_batch(
-                lambda b, v=variant: peak_of(v, b), cap, guess, args.tolerance)
-    result["measured"] = {v: sorted(b for (vv, b) in cache if vv == v) for v in VARIANTS}
-    result["all_peaks"] = {v: {b: statistics.median(p) for (vv, b), p in cache.items()
-                               if vv == v} for v in VARIANTS}
-    result["spread"] = {v: [min(cache[(v, args.cap_batch)]), max(cache[(v, args.cap_batch)])]
-                        if (v, args.cap_batch) in cache else None for v in VARIANTS}
+        guess = args.cap_batch * cap / max(1, peak_of(args.cap_batch))
+        largest_batch(peak_of, cap, guess, args.tolerance)
+        result["largest"] = last_fitting_batch({b: peak_of(b) for b in cache}, cap)
+    result["all_peaks"] = {b: statistics.median(p) for b, p in cache.items()}
+    result["spread"] = ([min(cache[args.cap_batch]), max(cache[args.cap_batch])]
+                        if args.cap_batch in cache else None)
     print("RESULT " + json.dumps(result))
+
+
+def peaks_of_model(model, args):
+    """Every variant's peaks (each from its own worker), stock first: its peak at --cap-batch
+    is the others' cap. The layout the report and the JSON use: {field: {variant: ...}}."""
+    result = {"peaks": {}, "largest": {}, "all_peaks": {}, "spread": {}, "measured": {}}
+    cap = None
+    for variant in VARIANTS:
+        r = _worker("peaks", model, args, variant=variant, cap_bytes=cap)
+        cap = r["cap"] if cap is None else cap
+        for field in ("peaks", "all_peaks", "spread", "largest"):
+            if field in r:
+                result[field][variant] = r[field]
+        result["measured"][variant] = sorted(int(b) for b in r["all_peaks"])
+    result["cap"] = cap
+    return result
 
 
 def worker_times(args):
@@ -220,18 +256,23 @@ def worker_times(args):
 # ---------------------------------------------------------------------------------------------
 # Driver side.
 # ---------------------------------------------------------------------------------------------
-def _worker(kind, model, args):
+def _worker(kind, model, args, variant=None, cap_bytes=None):
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", kind, "--models", model,
            "--batch-sizes", ",".join(map(str, args.batch_sizes)), "--cap-batch",
            str(args.cap_batch), "--reps", str(args.reps), "--rounds", str(args.rounds),
            "--time-batch", str(args.time_batch), "--tolerance", str(args.tolerance)]
     if not args.search:
         cmd.append("--no-search")
+    if variant is not None:
+        cmd += ["--variant", variant]
+    if cap_bytes is not None:
+        cmd += ["--cap-bytes", str(cap_bytes)]
     proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
     if proc.returncode != 0 or not lines:
         sys.stderr.write(proc.stderr[-4000:])
-        raise SystemExit(f"memory_report: the {kind} worker for {model} failed "
+        raise SystemExit(f"memory_report: the {kind} worker for {model}"
+                         f"{f' ({variant})' if variant else ''} failed "
                          f"(exit {proc.returncode})")
     return json.loads(lines[-1][len("RESULT "):])
 
@@ -271,11 +312,14 @@ def render(results, args, versions, meta):
              f"{lib.get('op_library_built', '?')}, checkout {lib.get('git_head', '?')}.", "",
              "Peak: bytes allocated during one training step above what was resident before it "
              "(BFC allocator stats, inter-op parallelism 1, median over "
-             f"{args.reps} steps after a warm-up; min-max in brackets). Time: median of {args.rounds} interleaved "
-             f"steps at batch {args.time_batch} with default threading, in a separate process. "
+             f"{args.reps} steps after a warm-up, each variant in its own process; min-max in "
+             f"brackets). Time: median of {args.rounds} interleaved steps at batch "
+             f"{args.time_batch} with default threading, in a separate process. "
              f"Largest batch: the largest batch whose peak stays under stock's peak at batch "
-             f"{args.cap_batch} (bisection on measured peaks, to within "
-             f"{args.tolerance:.0%}).", ""]
+             f"{args.cap_batch}, and every smaller measured batch's too (bracketing and "
+             f"bisection on measured peaks, to within {args.tolerance:.0%}; peaks jump where "
+             f"a tensor outgrows a power of two and the allocator hands it a chunk up to twice "
+             f"its size).", ""]
     header = ["model", "variant"] + [f"peak @{b} (MiB)" for b in args.batch_sizes] + \
         [f"vs stock @{args.cap_batch}", f"step ms @{args.time_batch}", "speed vs stock"]
     if args.search:
@@ -356,6 +400,8 @@ def parse_args(argv=None):
     p.add_argument("--render-only", action="store_true",
                    help="re-render the table and plot from memory_report.json in --out")
     p.add_argument("--worker", choices=("peaks", "times"), help=argparse.SUPPRESS)
+    p.add_argument("--variant", choices=VARIANTS, default="stock", help=argparse.SUPPRESS)
+    p.add_argument("--cap-bytes", type=float, default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     args.models = (args.models or ("simple,vgg" if args.quick else ",".join(MODELS)))
     args.models = [m.strip() for m in args.models.split(",") if m.strip()]
@@ -418,7 +464,7 @@ def main(argv=None):
     for model in ([] if args.render_only else args.models):
         t0 = time.time()
         print(f"memory_report: {model}: peaks ...", flush=True)
-        r = _worker("peaks", model, args)
+        r = peaks_of_model(model, args)
         print(f"memory_report: {model}: step times ...", flush=True)
         r["times"] = _worker("times", model, args)
         results[model] = r
