@@ -5,9 +5,10 @@ examples/models.py and one Grappler configuration (gpu_memory.py's names: defaul
 workspace-0, ...), each variant (stock, argmax, input, switch, as in gpu_memory.py) trains
 --warmup steps (2; 0 profiles the first step, which traces, optimizes and autotunes cuDNN), then
 one step under TensorFlow's profiler (tf.profiler.experimental). The
-profile's memory view (the allocator's own records: op, region, shape and size of every block
-live at the peak) is converted with TensorFlow's converter (`xspace_to_tools_data`, as
-TensorBoard's memory profile does) and printed as a table of the largest live blocks.
+profile's memory view (the allocator's own records: op, region, shape, chunk size and requested
+size of every block live at the peak) is converted with TensorFlow's converter
+(`xspace_to_tools_data`, as TensorBoard's memory profile does) and printed as a table of the
+largest live blocks.
 
 Where the converter is missing (the trimmed TensorFlow on the GPU machine has no profiler
 plugin), --keep DIR keeps the raw profiles (.xplane.pb) and `--convert DIR` reads them on a
@@ -49,8 +50,12 @@ def memory_profile(xplane_path):
 
 
 def live_at_peak(profile):
-    """(allocator, peak bytes in use, [(bytes, op, region, dtype, shape)] live at the peak, largest
-    first) for the allocator with the highest peak (the GPU's, on a GPU run)."""
+    """(allocator, peak bytes in use, [(bytes, requested bytes, op, region, dtype, shape)] live at
+    the peak, largest first) for the allocator with the highest peak (the GPU's, on a GPU run).
+
+    bytes is the chunk the allocator holds for the block, requested what the op asked for: the
+    BFC allocator does not split a free chunk smaller than twice the request, so a block can hold
+    up to twice its tensor (internal fragmentation, counted in the peak)."""
     per = profile["memoryProfilePerAllocator"]
     name = max(per, key=lambda n: int(per[n]["profileSummary"].get("peakBytesUsageLifetime", 0)))
     p = per[name]
@@ -60,7 +65,8 @@ def live_at_peak(profile):
         si, sp = int(a.get("snapshotIndex", -1)), int(a.get("specialIndex", -1))
         meta = snapshots[si]["activityMetadata"] if si >= 0 else special[sp]
         for _ in range(int(a.get("numOccurrences", 1))):
-            blocks.append((int(meta.get("allocationBytes", 0)), meta.get("tfOpName", "?"),
+            blocks.append((int(meta.get("allocationBytes", 0)),
+                           int(meta.get("requestedBytes", 0)), meta.get("tfOpName", "?"),
                            meta.get("regionType", "?"), meta.get("dataType", "?"),
                            meta.get("tensorShape", "?")))
     blocks.sort(key=lambda b: -b[0])
@@ -72,14 +78,16 @@ def render(title, name, peak, blocks, min_mib):
     lines = [f"### {title}", "",
              f"allocator `{name}`: {peak / MIB:.1f} MiB in use at the peak, "
              f"{len(blocks)} live blocks; those of at least {min_mib} MiB:", "",
-             "| MiB | op | region | dtype | shape |", "|---|---|---|---|---|"]
-    small = 0
-    for size, op, region, dtype, shape in blocks:
+             "| MiB | requested MiB | op | region | dtype | shape |", "|---|---|---|---|---|---|"]
+    small = small_requested = 0
+    for size, requested, op, region, dtype, shape in blocks:
         if size >= min_mib * MIB:
-            lines.append(f"| {size / MIB:.1f} | `{op}` | {region} | {dtype} | {shape} |")
+            lines.append(f"| {size / MIB:.1f} | {requested / MIB:.1f} | `{op}` | {region} | "
+                         f"{dtype} | {shape} |")
         else:
             small += size
-    lines += [f"| {small / MIB:.1f} | (smaller blocks) | | | |", ""]
+            small_requested += requested
+    lines += [f"| {small / MIB:.1f} | {small_requested / MIB:.1f} | (smaller blocks) | | | |", ""]
     return "\n".join(lines)
 
 
