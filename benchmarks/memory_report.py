@@ -212,9 +212,11 @@ def worker_peaks(args):
     result["cap"] = cap
     if args.search:
         guess = args.cap_batch * cap / max(1, peak_of(args.cap_batch))
+        # The search decides which batches to measure; the answer comes from all measurements.
         largest_batch(peak_of, cap, guess, args.tolerance)
-        result["largest"] = last_fitting_batch({b: peak_of(b) for b in cache}, cap)
     result["all_peaks"] = {b: statistics.median(p) for b, p in cache.items()}
+    if args.search:
+        result["largest"] = last_fitting_batch(result["all_peaks"], cap)
     result["spread"] = ([min(cache[args.cap_batch]), max(cache[args.cap_batch])]
                         if args.cap_batch in cache else None)
     print("RESULT " + json.dumps(result))

@@ -21,20 +21,20 @@ MIB = 2 ** 20
 NO_GPU = not glob.glob("/dev/nvidia[0-9]*")
 
 
-def _gpu_memory_module():
-    """benchmarks/gpu_memory.py as a module (it imports no TensorFlow at module level)."""
-    spec = importlib.util.spec_from_file_location("gpu_memory", GPU_REPORT)
+def _benchmark_module(name, path):
+    """A benchmarks/ script as a module (they import no TensorFlow at module level)."""
+    spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def _gpu_memory_module():
+    return _benchmark_module("gpu_memory", GPU_REPORT)
 
 
 def _memory_report_module():
-    """benchmarks/memory_report.py as a module (TensorFlow is imported only in its workers)."""
-    spec = importlib.util.spec_from_file_location("memory_report", REPORT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return _benchmark_module("memory_report", REPORT)
 
 
 def _expected_device():
