@@ -1,0 +1,250 @@
+"""The fused ReLU + max pool inside XLA: stock TensorFlow ops under a custom gradient.
+
+XLA-compiled functions (`tf.function(jit_compile=True)`, and Keras 3's default compile on a GPU)
+never run the op library's kernels (they have no XLA kernel) nor reach Grappler. Inside them
+`relu_max_pool2d`, `ReluMaxPool2D` and the switch's trace-time fusion (tf_relupool/keras_fusion.py)
+build the fused op out of stock ops that XLA compiles for any backend:
+
+- forward: one scan over the window positions of relu(z) (strided slices of the padded input,
+  which XLA fuses into one loop): the pooled maximum y, and a one-byte code per pooled element,
+  the position XLA's own max-pool gradient would route `dy` to, or `NO_GRADIENT` where that
+  position's ReLU'd value is not > 0 (stock's ReluGrad zeroes it there);
+- backward (`tf.custom_gradient`): dz from the codes and dy alone, one where/reshape/pad per
+  block of window offsets, blocks summed in stock's order for overlapping windows.
+
+Between forward and backward only the codes are kept (1 byte per pooled element), neither z nor
+relu(z). Stock under XLA keeps relu(z) for `MaxPoolGrad` and `ReluGrad`.
+
+Exact against stock under XLA (tf2xla lowers `Relu` to `max(0, z)`, `MaxPool` to
+`ReduceWindow(max, init -inf)`, `MaxPoolGrad` to `SelectAndScatter(select=Ge, scatter=Add,
+init 0)` over relu(z), and `ReluGrad` to `select(relu(z) > 0, g, 0)`): the forward is the same
+NaN-propagating maximum; the code is SelectAndScatter's selection (the first in-bounds position,
+replaced by a later one whenever `!(selected >= current)`: the first maximum, NaNs included, as
+XLA does); overlapping windows add their contributions per input element in output order,
+starting from zero, as XLA's sequential SelectAndScatter does on the CPU (on the GPU XLA's own
+scatter adds them in an order of its own; docs/xla.md).
+
+Windows of more than `MAX_WINDOW_POSITIONS` positions, and inputs whose spatial dimensions are
+unknown at trace time, run the stock ops inside XLA (exact), with one INFO log line.
+"""
+import logging
+
+import numpy as np
+import tensorflow as tf
+
+logger = logging.getLogger("tf_relupool")
+
+#: Largest window (rows x cols) the XLA form unrolls; larger ones run stock ops inside XLA.
+MAX_WINDOW_POSITIONS = 64
+#: The code of a pooled element that routes no gradient (its selected ReLU'd value is not > 0).
+NO_GRADIENT = 255
+_NEVER = 254  # a code no window produces (positions < MAX_WINDOW_POSITIONS)
+
+
+def in_xla_context():
+    """True while tracing inside an XLA-compiled function (`tf.function(jit_compile=True)`).
+
+    Uses TensorFlow's private `control_flow_util.GraphOrParentsInXlaContext`, guarded: if
+    TensorFlow moves it, this answers False (and the op library's ops are emitted, which XLA
+    then reports as unregistered)."""
+    if tf.executing_eagerly():
+        return False
+    try:
+        from tensorflow.python.framework import ops as tf_ops
+        from tensorflow.python.ops import control_flow_util
+        return bool(control_flow_util.GraphOrParentsInXlaContext(tf_ops.get_default_graph()))
+    except (ImportError, AttributeError):
+        return False
+
+
+def _spatial_axes(data_format):
+    return (1, 2) if data_format == "NHWC" else (2, 3)
+
+
+def _spatial(attr, data_format):
+    rows, cols = _spatial_axes(data_format)
+    return int(attr[rows]), int(attr[cols])
+
+
+def pool_geometry(input_hw, ksize, strides, padding, explicit_paddings, data_format):
+    """Per spatial dimension (input size, window, stride, pad before, pad after, output size).
+
+    `ksize`/`strides` are 4-entry lists in `data_format`, `padding` "VALID"/"SAME"/"EXPLICIT".
+    Output sizes as MaxPool computes them; ValueError where no window fits."""
+    rows, cols = _spatial_axes(data_format)
+    dims = []
+    for axis, size in zip((rows, cols), input_hw):
+        k, s = int(ksize[axis]), int(strides[axis])
+        if padding == "SAME":
+            out = -(-size // s)
+            total = max((out - 1) * s + k - size, 0)
+            before, after = total // 2, total - total // 2
+        else:
+            if padding == "EXPLICIT":
+                before, after = (int(v) for v in explicit_paddings[2 * axis:2 * axis + 2])
+            else:
+                before = after = 0
+            out = (size + before + after - k) // s + 1
+        if out < 1:
+            raise ValueError(
+                f"ksize {list(ksize)} with padding {padding!r} does not fit the input: "
+                f"spatial size {size} gives output size {out} (it would be negative or zero)")
+        dims.append((size, k, s, before, after, out))
+    return dims
+
+
+def unsupported_reason(input_shape, ksize, data_format):
+    """Why the XLA form cannot run these arguments (None where it can)."""
+    kh, kw = _spatial(ksize, data_format)
+    if kh * kw > MAX_WINDOW_POSITIONS:
+        return (f"a window of {kh}x{kw} positions (the XLA form unrolls at most "
+                f"{MAX_WINDOW_POSITIONS})")
+    shape = tf.TensorShape(input_shape)
+    if shape.rank != 4:
+        return f"an input of unknown rank or rank other than 4 ({shape})"
+    rows, cols = _spatial_axes(data_format)
+    if shape[rows] is None or shape[cols] is None:
+        return f"spatial dimensions unknown at trace time ({shape})"
+    return None
+
+
+def _strided(x, axes, starts, stops, steps):
+    """x[..., start:stop:step, ...] on the given axes (other axes whole, any size)."""
+    index = [slice(None)] * 4
+    for axis, a, b, s in zip(axes, starts, stops, steps):
+        index[axis] = slice(a, b, s)
+    return x[tuple(index)]
+
+
+def _forward(z, pool_args, dims, data_format):
+    """(y, codes): the pooled max of relu(z) and XLA's selection as a uint8 code per output.
+
+    y is stock's own `MaxPool(Relu(z))` (the same HLO, so the same max semantics on every XLA
+    backend: XLA's CPU ReduceWindow skips NaNs); the codes come from a scan over the same relu(z)
+    with SelectAndScatter's comparison. XLA fuses both into loops over z: relu(z) is not kept."""
+    axes = _spatial_axes(data_format)
+    (_, kh, sh, th, bh, oh), (_, kw, sw, tw, bw, ow) = dims
+    r = tf.nn.relu(z)
+    y = _stock_max_pool2d(r, *pool_args)
+    neg_inf = tf.constant(-np.inf, dtype=z.dtype)
+    if th or bh or tw or bw:
+        paddings = [[0, 0]] * 4
+        paddings[axes[0]], paddings[axes[1]] = [th, bh], [tw, bw]
+        r = tf.pad(r, paddings, constant_values=neg_inf)  # never selected (masked below)
+    sel = code = None
+    for i in range(kh):
+        for j in range(kw):
+            cur = _strided(r, axes, (i, j), (i + (oh - 1) * sh + 1, j + (ow - 1) * sw + 1),
+                           (sh, sw))
+            t = tf.constant(i * kw + j, tf.uint8)
+            if sel is None:
+                # The first position: selected unless it is padding (-inf; ReLU'd values are not).
+                sel, code = cur, tf.zeros_like(cur, dtype=tf.uint8)
+                first_pad = tf.equal(cur, neg_inf)
+                continue
+            # SelectAndScatter(select=Ge): a later in-bounds position takes over when
+            # !(selected >= current); while nothing in-bounds is selected yet, any in-bounds one.
+            in_bounds = tf.not_equal(cur, neg_inf)
+            take = in_bounds & (first_pad | tf.logical_not(sel >= cur))
+            sel = tf.where(take, cur, sel)
+            code = tf.where(take, t, code)
+            first_pad = first_pad & tf.logical_not(in_bounds)
+    code = tf.where(sel > tf.zeros([], z.dtype), code, tf.constant(NO_GRADIENT, tf.uint8))
+    return y, code
+
+
+def _window_rows(x, axis, start, length):
+    """x[start:start + length] along `axis`, zeros where that range leaves x."""
+    size = x.shape[axis]
+    lo, hi = max(start, 0), min(start + length, size)
+    index = [slice(None)] * x.shape.rank
+    index[axis] = slice(lo, max(hi, lo))
+    x = x[tuple(index)]
+    before, after = lo - start, length - (max(hi, lo) - start)
+    if before or after:
+        paddings = [[0, 0]] * x.shape.rank
+        paddings[axis] = [before, after]
+        x = tf.pad(x, paddings)
+    return x
+
+
+def _backward(dy, code, dims, data_format):
+    """dz from dy and the codes: each dy goes to its window's coded position, in stock's order."""
+    (h, kh, sh, th, _, oh), (w, kw, sw, tw, _, ow) = dims
+    nchw = data_format == "NCHW"
+    # [N, Ho, Wo, C] (or [N, C, Ho, Wo]) -> [N, Ho, 1, Wo, 1, C] (or [N, C, Ho, 1, Wo, 1]).
+    row_axis = 2 if nchw else 1
+    dy6 = tf.expand_dims(tf.expand_dims(dy, row_axis + 1), row_axis + 3)
+    code6 = tf.expand_dims(tf.expand_dims(code, row_axis + 1), row_axis + 3)
+    zero = tf.zeros([], dy.dtype)
+    blocks_h, blocks_w = -(-kh // sh), -(-kw // sw)
+    dz = None
+    # Block (qh, qw) holds the offsets qh*sh <= i < (qh+1)*sh, qw*sw <= j < (qw+1)*sw: in it each
+    # input element belongs to one window at most. An element's windows in output order are its
+    # blocks in decreasing order, so the sum runs from the last block to the first (as XLA's
+    # SelectAndScatter adds them).
+    for qh in reversed(range(blocks_h)):
+        for qw in reversed(range(blocks_w)):
+            targets = np.full((sh, sw), _NEVER, np.uint8)
+            for a in range(sh):
+                for b in range(sw):
+                    i, j = qh * sh + a, qw * sw + b
+                    if i < kh and j < kw:
+                        targets[a, b] = i * kw + j
+            t6 = tf.constant(targets.reshape((1, 1, 1, sh, 1, sw) if nchw else
+                                             (1, 1, sh, 1, sw, 1)), tf.uint8)
+            block = tf.where(tf.equal(code6, t6), dy6, zero)  # [N, Ho, sh, Wo, sw, C]
+            if nchw:
+                block = tf.reshape(block, tf.concat(
+                    [tf.shape(dy)[:2], [oh * sh, ow * sw]], axis=0))
+                rows, cols = 2, 3
+            else:
+                block = tf.reshape(block, tf.concat(
+                    [tf.shape(dy)[:1], [oh * sh, ow * sw], tf.shape(dy)[3:]], axis=0))
+                rows, cols = 1, 2
+            block.set_shape([dy.shape[0], dy.shape[1], oh * sh, ow * sw] if nchw else
+                            [dy.shape[0], oh * sh, ow * sw, dy.shape[3]])
+            # Block row r is padded-input row r + qh*sh; z's rows are padded rows th .. th + h.
+            block = _window_rows(block, rows, th - qh * sh, h)
+            block = _window_rows(block, cols, tw - qw * sw, w)
+            dz = block if dz is None else dz + block
+    return dz
+
+
+def relu_max_pool2d(z, ksize, strides, padding, explicit_paddings, data_format):
+    """max_pool2d(relu(z)) for XLA, its gradient from one-byte codes (module docstring).
+
+    Arguments in the op's normalized form (4-entry `ksize`/`strides` in `data_format`, padding
+    "VALID"/"SAME"/"EXPLICIT" with 8 `explicit_paddings`). Where the XLA form does not apply
+    (`unsupported_reason`), returns the stock ops' result, which XLA compiles as it does stock's.
+    """
+    reason = unsupported_reason(z.shape, ksize, data_format)
+    if reason is not None:
+        logger.info("tf_relupool: stock ReLU + max pool inside XLA for %s", reason)
+        return stock_relu_max_pool2d(z, ksize, strides, padding, explicit_paddings, data_format)
+    rows, cols = _spatial_axes(data_format)
+    dims = pool_geometry((z.shape[rows], z.shape[cols]), ksize, strides, padding,
+                         explicit_paddings, data_format)
+
+    @tf.custom_gradient
+    def fused(z):
+        y, code = _forward(z, (ksize, strides, padding, explicit_paddings, data_format), dims,
+                           data_format)
+
+        def grad(dy):
+            return _backward(dy, code, dims, data_format)
+        return y, grad
+
+    return fused(z)
+
+
+def _stock_max_pool2d(r, ksize, strides, padding, explicit_paddings, data_format):
+    if padding == "EXPLICIT":
+        padding = [list(explicit_paddings[2 * d:2 * d + 2]) for d in range(4)]
+    return tf.nn.max_pool2d(r, ksize, strides, padding, data_format=data_format)
+
+
+def stock_relu_max_pool2d(z, ksize, strides, padding, explicit_paddings, data_format):
+    """The stock ops: tf.nn.max_pool2d(tf.nn.relu(z)) with the op's attributes."""
+    return _stock_max_pool2d(tf.nn.relu(z), ksize, strides, padding, explicit_paddings,
+                             data_format)
