@@ -12,9 +12,11 @@ tf_relupool is imported ("0"/"off"/"false"/"no"/"" -> off; "1"/"on"/"true"/"yes"
 user's model computes behind their back: with the switch off, nothing tf_relupool provides
 changes a model's graph, and turning it on is one visible line.
 
-While the switch is on, tf_relupool's graph optimizer inside Grappler (tf_relupool/grappler.py)
-also fuses stock ``relu`` + ``max_pool`` (and their gradients) in every graph TensorFlow
-optimizes: stock Keras models and ``tf.function`` code need no other change.
+While the switch is on, stock ``relu`` + ``max_pool`` (and their gradients) are fused too:
+by tf_relupool's graph optimizer inside Grappler (tf_relupool/grappler.py) in every graph
+TensorFlow optimizes, and, inside XLA-compiled functions (which never reach Grappler: Keras'
+default compile on a GPU, ``jit_compile=True``), where Keras' ``MaxPooling2D`` is traced
+(tf_relupool/keras_fusion.py). Stock Keras models and ``tf.function`` code need no other change.
 
 The switch is read when a layer's ``call`` is traced (when Keras builds its train/predict
 function), and by the graph optimizer when TensorFlow optimizes a function (its first call), not
@@ -84,25 +86,6 @@ def enable_recompute(keep=KEEP_ARGMAX):
     with _lock:
         _mode = keep
         _notify_grappler()
-    _warn_about_xla_once()
-
-
-_xla_warned = []
-
-
-def _warn_about_xla_once():
-    """Keras 3 compiles models with XLA by default (jit_compile="auto") where a GPU is visible,
-    and XLA clusters never reach Grappler: the switch cannot fuse stock layers there."""
-    if _xla_warned:
-        return
-    _xla_warned.append(True)
-    import tensorflow as tf
-    if tf.config.list_physical_devices("GPU"):
-        logger.warning(
-            "tf_relupool: Keras compiles models with XLA by default on a GPU "
-            "(jit_compile=\"auto\"), and XLA-compiled functions never reach Grappler, where "
-            "enable_recompute() fuses stock layers: compile stock models with "
-            "jit_compile=False (models with ReluMaxPool2D layers do so by themselves).")
 
 
 def disable_recompute():
@@ -152,8 +135,10 @@ def recompute(keep=KEEP_ARGMAX):
 
 
 def _notify_grappler():
-    """Passes the switch to the graph optimizer inside TensorFlow (tf_relupool/grappler.py)."""
-    from tf_relupool import grappler  # late: grappler loads the op library
+    """Passes the switch to the graph optimizer inside TensorFlow (tf_relupool/grappler.py) and
+    to the trace-time fusion of Keras' max pooling under XLA (tf_relupool/keras_fusion.py)."""
+    from tf_relupool import grappler, keras_fusion  # late: grappler loads the op library
+    keras_fusion.set_enabled(_mode is not None)
     grappler.set_mode(_mode)
 
 

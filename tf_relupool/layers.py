@@ -35,19 +35,6 @@ def pooled_size(size, pool, stride, padding):
     return (size - pool) // stride + 1
 
 
-def _in_xla_context():
-    """True while tracing inside tf.function(jit_compile=True) (private TF API, guarded)."""
-    import tensorflow as tf
-    if tf.executing_eagerly():
-        return False
-    try:
-        from tensorflow.python.framework import ops as tf_ops
-        from tensorflow.python.ops import control_flow_util
-        return bool(control_flow_util.GraphOrParentsInXlaContext(tf_ops.get_default_graph()))
-    except (ImportError, AttributeError):  # the private API moved: assume no XLA
-        return False
-
-
 @keras.saving.register_keras_serializable(package="tf_relupool")
 class ReluMaxPool2D(keras.layers.Layer):
     """ReLU followed by max pooling for 2-D spatial data: `MaxPooling2D()(ReLU()(x))`.
@@ -66,14 +53,10 @@ class ReluMaxPool2D(keras.layers.Layer):
       - `keep=None` (default): follow the global switch (`tf_relupool.enable_recompute()`,
         `recompute()`, `TF_RELUPOOL_RECOMPUTE`) at trace time; when it is off, the stock ops
         `relu` + `max_pool` run (numerically identical to `ReLU` + `MaxPooling2D`).
-      - Inside XLA (`tf.function(jit_compile=True)`): always the stock ops, which XLA fuses
-        itself; the custom op has no XLA kernel. Detecting XLA needs a private TensorFlow
-        function; it is guarded, and if TensorFlow moves it the fused op is emitted and XLA
-        reports the unregistered op.
-      - `supports_jit` is False while the layer would run the fused op, so Keras's
-        `compile(jit_compile="auto")` keeps the fused op (and its memory saving) by compiling
-        the model without XLA, and `jit_compile=True` is turned off by Keras with a warning
-        instead of failing.
+      - Inside XLA (`tf.function(jit_compile=True)`, and Keras' `compile()` default on a GPU):
+        the fused op built from stock ops that XLA compiles (tf_relupool/xla.py), bitwise equal
+        to the stock layers under XLA and keeping one byte per pooled element for the backward
+        (for either `keep`). `supports_jit` is True: Keras keeps XLA on.
       - Other Keras backends than TensorFlow: always the stock ops.
 
     Args:
@@ -130,15 +113,6 @@ class ReluMaxPool2D(keras.layers.Layer):
         self.input_spec = keras.layers.InputSpec(ndim=4)
         self.built = True
 
-    # Keras's Layer.__init__ assigns supports_jit; the value is derived, so the setter ignores it.
-    @property
-    def supports_jit(self):
-        return self.resolved_keep() is None
-
-    @supports_jit.setter
-    def supports_jit(self, value):
-        pass
-
     def resolved_keep(self):
         """The backward mode a call traced now would use: "argmax", "input" or None (stock)."""
         if keras.backend.backend() != "tensorflow":
@@ -147,7 +121,7 @@ class ReluMaxPool2D(keras.layers.Layer):
 
     def call(self, inputs):
         keep = self.resolved_keep()
-        if keep is None or _in_xla_context():
+        if keep is None:
             return keras.ops.max_pool(keras.ops.relu(inputs), pool_size=self.pool_size,
                                       strides=self.strides, padding=self.padding,
                                       data_format=self.data_format)

@@ -5,6 +5,7 @@ from tensorflow.python.framework import ops as tf_ops
 
 from tf_relupool._loader import load_library
 from tf_relupool import grappler
+from tf_relupool import xla
 
 #: What the backward pass keeps from the forward pass.
 KEEP_ARGMAX = "argmax"  # one code per pooled element (1 byte for windows of < 255 positions)
@@ -113,8 +114,13 @@ def relu_max_pool2d(input, ksize, strides, padding, data_format="NHWC", name=Non
     """Computes `tf.nn.max_pool2d(tf.nn.relu(input), ksize, strides, padding, data_format)`.
 
     Forward values and gradients (of every order) are bitwise identical to the stock ops on CPU
-    wherever stock is itself defined (README, "Exact semantics"), in one pass over `input` and
+    wherever stock is itself defined (docs/semantics.md), in one pass over `input` and
     with no ReLU activation kept for the backward pass.
+
+    Inside XLA (`tf.function(jit_compile=True)`, Keras' default compile on a GPU) the op
+    library's kernels cannot run; there the same function is built from stock ops that XLA
+    compiles (tf_relupool/xla.py, docs/xla.md), bitwise equal to stock under XLA, keeping one
+    byte per pooled element for the backward whatever `keep` says; `implementation` is ignored.
 
     Args:
       input: 4-D tensor of float16, bfloat16, float32 or float64, in `data_format`.
@@ -142,6 +148,9 @@ def relu_max_pool2d(input, ksize, strides, padding, data_format="NHWC", name=Non
         input = tf.convert_to_tensor(input, name="input")
         ksize, strides, padding, explicit_paddings, data_format = _check_args(
             input, ksize, strides, padding, data_format, keep, implementation)
+        if xla.in_xla_context():
+            return xla.relu_max_pool2d(input, ksize, strides, padding, explicit_paddings,
+                                       data_format)
         attrs = dict(ksize=ksize, strides=strides, padding=padding,
                      explicit_paddings=explicit_paddings, data_format=data_format,
                      implementation=implementation)

@@ -153,61 +153,49 @@ def _forward(z, pool_args, dims, data_format):
     return y, code
 
 
-def _window_rows(x, axis, start, length):
-    """x[start:start + length] along `axis`, zeros where that range leaves x."""
-    size = x.shape[axis]
-    lo, hi = max(start, 0), min(start + length, size)
-    index = [slice(None)] * x.shape.rank
-    index[axis] = slice(lo, max(hi, lo))
-    x = x[tuple(index)]
-    before, after = lo - start, length - (max(hi, lo) - start)
-    if before or after:
-        paddings = [[0, 0]] * x.shape.rank
-        paddings[axis] = [before, after]
-        x = tf.pad(x, paddings)
-    return x
+def _block_index(size, before, k, s, out, q):
+    """For the input positions 0..size-1 along one axis and the offset block q: the window index
+    (clipped into range), the offset in the window and whether that offset exists (numpy)."""
+    padded = np.arange(size) + before
+    window = padded // s - q
+    offset = padded % s + q * s
+    valid = (window >= 0) & (window < out) & (offset < k)
+    return np.clip(window, 0, out - 1).astype(np.int32), offset, valid
 
 
 def _backward(dy, code, dims, data_format):
-    """dz from dy and the codes: each dy goes to its window's coded position, in stock's order."""
+    """dz from dy and the codes: each dy goes to its window's coded position, in stock's order.
+
+    Every term is built at z's own shape (a gather of dy and the codes up to the input
+    positions, compared with a constant of offsets), so that what XLA fuses into dz's consumers
+    (the bias gradient's reduction, the convolution's backward) sees the same 4-D iteration as
+    stock's ReluGrad output: a reshape from a window-blocked 6-D layout would let XLA reduce over
+    six dimensions, in another order of additions."""
     (h, kh, sh, th, _, oh), (w, kw, sw, tw, _, ow) = dims
-    nchw = data_format == "NCHW"
-    # [N, Ho, Wo, C] (or [N, C, Ho, Wo]) -> [N, Ho, 1, Wo, 1, C] (or [N, C, Ho, 1, Wo, 1]).
-    row_axis = 2 if nchw else 1
-    dy6 = tf.expand_dims(tf.expand_dims(dy, row_axis + 1), row_axis + 3)
-    code6 = tf.expand_dims(tf.expand_dims(code, row_axis + 1), row_axis + 3)
+    rows, cols = _spatial_axes(data_format)
     zero = tf.zeros([], dy.dtype)
-    blocks_h, blocks_w = -(-kh // sh), -(-kw // sw)
+    const_shape = (1, h, w, 1) if data_format == "NHWC" else (1, 1, h, w)
     dz = None
     # Block (qh, qw) holds the offsets qh*sh <= i < (qh+1)*sh, qw*sw <= j < (qw+1)*sw: in it each
     # input element belongs to one window at most. An element's windows in output order are its
     # blocks in decreasing order, so the sum runs from the last block to the first (as XLA's
-    # SelectAndScatter adds them).
-    for qh in reversed(range(blocks_h)):
-        for qw in reversed(range(blocks_w)):
-            targets = np.full((sh, sw), _NEVER, np.uint8)
-            for a in range(sh):
-                for b in range(sw):
-                    i, j = qh * sh + a, qw * sw + b
-                    if i < kh and j < kw:
-                        targets[a, b] = i * kw + j
-            t6 = tf.constant(targets.reshape((1, 1, 1, sh, 1, sw) if nchw else
-                                             (1, 1, sh, 1, sw, 1)), tf.uint8)
-            block = tf.where(tf.equal(code6, t6), dy6, zero)  # [N, Ho, sh, Wo, sw, C]
-            if nchw:
-                block = tf.reshape(block, tf.concat(
-                    [tf.shape(dy)[:2], [oh * sh, ow * sw]], axis=0))
-                rows, cols = 2, 3
-            else:
-                block = tf.reshape(block, tf.concat(
-                    [tf.shape(dy)[:1], [oh * sh, ow * sw], tf.shape(dy)[3:]], axis=0))
-                rows, cols = 1, 2
-            block.set_shape([dy.shape[0], dy.shape[1], oh * sh, ow * sw] if nchw else
-                            [dy.shape[0], oh * sh, ow * sw, dy.shape[3]])
-            # Block row r is padded-input row r + qh*sh; z's rows are padded rows th .. th + h.
-            block = _window_rows(block, rows, th - qh * sh, h)
-            block = _window_rows(block, cols, tw - qw * sw, w)
-            dz = block if dz is None else dz + block
+    # SelectAndScatter adds them), starting from that block's term.
+    for qh in reversed(range(-(-kh // sh))):
+        r_win, r_off, r_ok = _block_index(h, th, kh, sh, oh, qh)
+        for qw in reversed(range(-(-kw // sw))):
+            c_win, c_off, c_ok = _block_index(w, tw, kw, sw, ow, qw)
+            ok = r_ok[:, None] & c_ok[None, :]
+            if not ok.any():
+                continue
+            targets = np.where(ok, r_off[:, None] * kw + c_off[None, :], _NEVER).astype(np.uint8)
+            dy_up = tf.gather(tf.gather(dy, r_win, axis=rows), c_win, axis=cols)
+            code_up = tf.gather(tf.gather(code, r_win, axis=rows), c_win, axis=cols)
+            term = tf.where(tf.equal(code_up, tf.constant(targets.reshape(const_shape))),
+                            dy_up, zero)
+            dz = term if dz is None else dz + term
+    if dz is None:  # no input position is in any window (stride > window everywhere)
+        dz = tf.zeros_like(tf.gather(tf.gather(dy, np.zeros(h, np.int32), axis=rows),
+                                     np.zeros(w, np.int32), axis=cols))
     return dz
 
 

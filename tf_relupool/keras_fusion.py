@@ -1,0 +1,127 @@
+"""The switch for stock Keras models under XLA: ReLU + max pool fused where Keras traces them.
+
+Keras 3 compiles a model's train/predict functions with XLA by default on a GPU
+(`compile(jit_compile="auto")`), and XLA-compiled functions never reach Grappler, where the
+switch fuses stock graphs otherwise (tf_relupool/grappler.py). So while the switch is on,
+tf_relupool wraps the max pooling of Keras' TensorFlow backend (`keras.src.backend.tensorflow.nn
+.max_pool`, which `MaxPooling2D` and `keras.ops.max_pool` call): inside an XLA-compiled function,
+a 2-D max pool whose input is, at trace time, the output of a `Relu` op, or a zero-constant
+`Pad` of one (the ResNet stem's `ZeroPadding2D`), becomes the fused op in its XLA form
+(tf_relupool/xla.py) over the ReLU's input. Everywhere else (no XLA, another producer, 1-D/3-D
+pooling) the wrapped function calls Keras' own unchanged.
+
+Exact: the fused op computes max_pool(relu(z)) and its gradient bit for bit as stock does under
+XLA. The `Relu` op stays in the graph; when nothing else reads it, XLA drops it, otherwise its
+other consumers get it as before, and z's gradient is the sum of the fused op's and theirs (for
+one other consumer, the same sum stock makes, addition being commutative; docs/xla.md).
+
+The wrapper is installed when the switch turns on and removed when it turns off
+(`disable_recompute()`, the end of a `recompute()` block): with the switch off, Keras' function
+is the original object again. The switch is read at trace time, like everything else it does.
+"""
+import logging
+import threading
+
+import numpy as np
+
+logger = logging.getLogger("tf_relupool")
+
+_lock = threading.Lock()
+_original = []  # [Keras' own max_pool] while the wrapper is installed
+_stats = {"fused": 0, "fused_through_pad": 0}
+
+
+def stats():
+    """Counts of trace-time fusions since import: {"fused": n, "fused_through_pad": m}."""
+    return dict(_stats)
+
+
+def _backend_nn():
+    """Keras' TensorFlow backend `nn` module, or None (another backend, or no Keras 3)."""
+    try:
+        import keras
+        if keras.backend.backend() != "tensorflow":
+            return None
+        from keras.src.backend.tensorflow import nn
+        return nn
+    except ImportError:
+        return None
+
+
+def set_enabled(on):
+    """Installs (on) or removes (off) the wrapper around Keras' TensorFlow max_pool."""
+    nn = _backend_nn()
+    if nn is None:
+        return
+    with _lock:
+        if on and not _original:
+            _original.append(nn.max_pool)
+            nn.max_pool = _max_pool
+        elif not on and _original:
+            nn.max_pool = _original.pop()
+
+
+def installed():
+    """Whether Keras' max_pool is wrapped now."""
+    return bool(_original)
+
+
+def _const(tensor):
+    import tensorflow as tf
+    try:
+        return tf.get_static_value(tensor)
+    except (TypeError, ValueError):
+        return None
+
+
+def _fusable_input(inputs):
+    """(z, pad) where `inputs` is Relu(z) -> (z, None), or Pad(Relu(z)) padding with a value c
+    that ReLU keeps bit for bit (c >= +0, not NaN) -> (z, (paddings, c)); else None."""
+    op = getattr(inputs, "op", None)
+    if op is None:
+        return None
+    pad = None
+    if op.type in ("Pad", "PadV2") and len(op.inputs[0].shape) == 4:
+        paddings = _const(op.inputs[1])
+        c = 0 if op.type == "Pad" else _const(op.inputs[2])
+        if paddings is None or c is None:
+            return None
+        c = np.asarray(c, dtype=inputs.dtype.as_numpy_dtype)
+        if c.shape != () or np.isnan(c) or np.signbit(c):
+            return None
+        pad = (paddings.tolist(), c)
+        op = op.inputs[0].op
+    if op.type != "Relu":
+        return None
+    return op.inputs[0], pad
+
+
+def _max_pool(inputs, pool_size, strides=None, padding="valid", data_format=None):
+    """Keras' TensorFlow max_pool, fused with a ReLU in front of it under XLA (module doc)."""
+    original = _original[0] if _original else None
+    from tf_relupool import config, xla
+    if original is None or config.recompute_mode() is None or not xla.in_xla_context():
+        return (original or _backend_nn().max_pool)(inputs, pool_size, strides, padding,
+                                                    data_format)
+    import keras
+    import tensorflow as tf
+    found = None
+    if isinstance(inputs, tf.Tensor) and inputs.shape.rank == 4 and isinstance(padding, str):
+        found = _fusable_input(inputs)
+    if found is None:
+        return original(inputs, pool_size, strides, padding, data_format)
+    z, pad = found
+    data_format = keras.src.backend.standardize_data_format(data_format)
+    fmt = "NHWC" if data_format == "channels_last" else "NCHW"
+    from tf_relupool.ops import relu_max_pool2d
+    if pad is not None:
+        z = tf.pad(z, pad[0], constant_values=tf.constant(pad[1], z.dtype))
+    _stats["fused"] += 1
+    _stats["fused_through_pad"] += pad is not None
+    return relu_max_pool2d(z, ksize=list(_pair(pool_size)),
+                           strides=list(_pair(pool_size if strides is None else strides)),
+                           padding=padding.upper(), data_format=fmt)
+
+
+def _pair(v):
+    return (int(v), int(v)) if np.ndim(v) == 0 else tuple(int(x) for x in v)
