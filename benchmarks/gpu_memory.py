@@ -9,8 +9,16 @@ For each model of examples/models.py and each variant
                 fuses the graph TensorFlow optimizes (keep="argmax"; turned on around this
                 variant's steps only, so the other variants' functions stay stock);
 
-trained with Keras (compile(SGD, jit_compile=False), train_on_batch on synthetic fp32 data), it
-measures, under each Grappler configuration asked for:
+and the variants users compare with at Keras' default compile (XLA whenever a GPU is visible):
+
+  default         the stock model, compile() without jit_compile (what users run);
+  default-switch  the same under enable_recompute() alone (the trace-time fusion inside XLA);
+  default-layer   rewrite_model(model, keep="argmax") at the default compile;
+  default-remat   the stock model built under keras.RematScope(mode="activations");
+
+trained with Keras (compile(SGD, jit_compile=False) for the first four, the default compile for
+the others; train_on_batch on synthetic data; --policy mixed_bfloat16 for mixed precision), it
+measures, under each Grappler configuration asked for (XLA-compiled steps skip Grappler):
 
 - peak: the bytes the GPU allocator (TensorFlow's BFC allocator on GPU:0) holds at the peak of
   one training step above what was resident before it: reset_memory_stats("GPU:0"), one step,
@@ -66,11 +74,31 @@ if EXAMPLES not in sys.path:
 
 import devices  # noqa: E402  (examples/devices.py; no TensorFlow import)
 
-MODELS = ("simple", "vgg", "resnet")  # examples/models.py
-VARIANTS = {"stock": None, "argmax": "argmax", "input": "input", "switch": None}  # -> rewrite keep
-VARIANT_LABELS = {"stock": "stock", "argmax": "fused argmax", "input": "fused input",
-                  "switch": "stock + enable_recompute()"}
-SWITCHED = {"switch": "argmax"}  # variants run with the switch on (Grappler pass), and its keep
+# examples/models.py's CIFAR-10 models (32x32x3, 10 classes), then keras.applications models
+# at 224x224x3 with 1000 classes (weights=None), as users train them.
+MODELS = ("simple", "vgg", "resnet", "vgg16", "resnet50")
+APPLICATIONS = {"vgg16": "VGG16", "resnet50": "ResNet50"}
+# Each variant: the model (stock, or rewrite_model(keep=...)), the switch during its steps, how
+# it is compiled (jit_compile=False, or Keras' default "auto": XLA whenever a GPU is visible),
+# and whether its layers are built under keras.RematScope(mode="activations").
+VARIANTS = {
+    "stock": {"keep": None, "switch": None, "jit": False},
+    "argmax": {"keep": "argmax", "switch": None, "jit": False},
+    "input": {"keep": "input", "switch": None, "jit": False},
+    "switch": {"keep": None, "switch": "argmax", "jit": False},
+    "default": {"keep": None, "switch": None, "jit": "auto"},
+    "default-switch": {"keep": None, "switch": "argmax", "jit": "auto"},
+    "default-layer": {"keep": "argmax", "switch": None, "jit": "auto"},
+    "default-remat": {"keep": None, "switch": None, "jit": "auto", "remat": True},
+}
+VARIANT_LABELS = {"stock": "stock, jit_compile=False", "argmax": "fused argmax, jit_compile=False",
+                  "input": "fused input, jit_compile=False",
+                  "switch": "stock + enable_recompute(), jit_compile=False",
+                  "default": "stock, Keras default compile",
+                  "default-switch": "stock + enable_recompute(), Keras default compile",
+                  "default-layer": "rewrite_model (ReluMaxPool2D), Keras default compile",
+                  "default-remat": "keras.RematScope(activations), Keras default compile"}
+SWITCHED = {v: spec["switch"] for v, spec in VARIANTS.items() if spec["switch"]}
 CONFIG_ITEMS = ("layout-off", "remapper-off", "workspace-0", "autotune-off")
 MIB = 2.0 ** 20
 # Messages of errors that are out-of-memory in disguise (cuDNN or cuBLAS failing to allocate).
@@ -217,29 +245,47 @@ def _start(args, memory_limit_mib=None):
     return tf, dev
 
 
-def build_model(tf, model_name, variant, seed=0):
-    """The Keras model `model_name` (stock, or rewritten with keep=...), compiled for training
-    with SGD and without XLA (the custom op has no XLA kernel); same initial weights for every
-    variant."""
+def build_model(tf, model_name, variant, seed=0, policy=None):
+    """The Keras model `model_name` for `variant` (VARIANTS), compiled for training with SGD;
+    same initial weights for every variant. `policy`: a Keras dtype policy ("mixed_bfloat16")."""
     import keras
     import models
     import tf_relupool
 
     keras.utils.set_random_seed(seed)
-    model = models.build(model_name)
-    keep = VARIANTS[variant]
-    if keep is not None:
-        model = tf_relupool.rewrite_model(model, keep=keep)  # always fused, whatever the switch
+    if policy:
+        keras.config.set_dtype_policy(policy)
+    spec = VARIANTS[variant]
+    scope = keras.RematScope(mode="activations") if spec.get("remat") else _no_scope()
+    with scope:
+        if model_name in APPLICATIONS:
+            model = getattr(keras.applications, APPLICATIONS[model_name])(
+                weights=None, input_shape=(224, 224, 3), classes=1000)
+        else:
+            model = models.build(model_name)
+    if spec["keep"] is not None:
+        model = tf_relupool.rewrite_model(model, keep=spec["keep"])  # fused, whatever the switch
     model.compile(optimizer=keras.optimizers.SGD(0.01),
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                  jit_compile=False)
+                  jit_compile=spec["jit"])
     return model
 
 
-def synthetic_batch(tf, batch, seed=0):
-    """Images in [0, 1) and labels in [0, 10), created on the default device (GPU:0 if any)."""
-    x = tf.random.stateless_uniform((batch, 32, 32, 3), seed=[seed, batch])
-    y = tf.random.stateless_uniform((batch,), seed=[seed + 1, batch], minval=0, maxval=10,
+class _no_scope:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def synthetic_batch(tf, batch, seed=0, model=None):
+    """Images in [0, 1) and labels in [0, classes), created on the default device (GPU:0 if
+    any), shaped for `model` (CIFAR-10's 32x32x3 and 10 classes without one)."""
+    shape = tuple(model.input_shape[1:]) if model is not None else (32, 32, 3)
+    classes = int(model.output_shape[-1]) if model is not None else 10
+    x = tf.random.stateless_uniform((batch,) + shape, seed=[seed, batch])
+    y = tf.random.stateless_uniform((batch,), seed=[seed + 1, batch], minval=0, maxval=classes,
                                     dtype=tf.int32)
     return x, y
 
@@ -290,11 +336,13 @@ def worker_measure(args):
     if not meter.available:
         raise ReportError(f"no allocator statistics on {dev.name}: {meter.reason}")
     import keras
-    built = {v: build_model(tf, args.model, v) for v in args.variants}
+    built = {v: build_model(tf, args.model, v, policy=args.policy) for v in args.variants}
+    jit = {v: bool(m.jit_compile) for v, m in built.items()}
     peaks = {v: {} for v in args.variants}
     warmed = set()
+    first = next(iter(built.values()))
     for batch in args.batch_sizes:
-        x, y = synthetic_batch(tf, batch)
+        x, y = synthetic_batch(tf, batch, model=first)
         for v, model in built.items():
             for _ in range(2):
                 _step(model, x, y, v)
@@ -308,7 +356,7 @@ def worker_measure(args):
         del x, y
     times = {v: [] for v in args.variants}
     if args.rounds:
-        x, y = synthetic_batch(tf, args.time_batch)
+        x, y = synthetic_batch(tf, args.time_batch, model=first)
         if args.time_batch not in warmed:
             for v, model in built.items():
                 for _ in range(2):
@@ -319,7 +367,7 @@ def worker_measure(args):
                 _step(model, x, y, v)
                 times[v].append(time.perf_counter() - start)
     print("RESULT " + json.dumps({
-        "device": dev.as_dict(), "peaks": peaks, "times": times,
+        "device": dev.as_dict(), "peaks": peaks, "times": times, "jit_compile": jit,
         "resident_bytes": tf.config.experimental.get_memory_info(dev.name)["current"],
         "versions": {"tensorflow": tf.__version__, "keras": keras.__version__,
                      "python": platform.python_version()},
@@ -332,8 +380,8 @@ def worker_trial(args):
     meter = devices.StepMemory(tf, dev)
     result = {"batch": args.trial_batch, "device": dev.name, "status": "fits"}
     try:
-        model = build_model(tf, args.model, args.variant)
-        x, y = synthetic_batch(tf, args.trial_batch)
+        model = build_model(tf, args.model, args.variant, policy=args.policy)
+        x, y = synthetic_batch(tf, args.trial_batch, model=model)
         step_peaks, total_peaks = [], []
         for _ in range(args.trial_steps):
             meter.begin()
@@ -366,7 +414,8 @@ def _worker_cmd(kind, args, model, config, extra=()):
            "--batch-sizes", ",".join(map(str, args.batch_sizes)),
            "--time-batch", str(args.time_batch), "--reps", str(args.reps),
            "--rounds", str(args.rounds), "--inter-op-threads", str(args.inter_op_threads),
-           "--memory-limit", str(args.memory_limit)]
+           "--memory-limit", str(args.memory_limit)] + (
+               ["--policy", args.policy] if args.policy else [])
     return cmd + list(extra)
 
 
@@ -498,13 +547,18 @@ def render(report, brief=False):
         lines += ["", f"**Warning: the op library has no GPU kernels (registered for "
                       f"{', '.join(lib['kernel_devices']) or 'nothing'}): the fused ops ran on "
                       "the CPU, with copies; the fused rows do not measure the GPU kernels.**"]
+    ref = "default" if "default" in a["variants"] else "stock"
     method = ("Keras training: `compile(SGD(0.01), SparseCategoricalCrossentropy, "
-              "jit_compile=False)`, `train_on_batch` on synthetic float32 32x32x3 images; "
+              "jit_compile=...)` as the variant says (Keras' default compile is XLA whenever a GPU "
+              "is visible), `train_on_batch` on synthetic images (32x32x3 for the CIFAR-10 "
+              "models, 224x224x3 and 1000 classes for keras.applications), dtype policy "
+              f"{a.get('policy') or 'float32'}; "
               f"inter-op parallelism {a['inter_op_threads'] or 'default'}. "
               f"Peak: bytes the {dev['name']} allocator holds at the peak of one step above what "
               f"was resident before it, median of {a['reps']} steps after 2 warm-up steps. "
               f"Step time: median of {a['rounds']} steps at batch {a['time_batch']}, variants "
-              "interleaved. Ratios are against stock in the same Grappler configuration.")
+              f"interleaved. Ratios are against {VARIANT_LABELS[ref]} in the same Grappler "
+              "configuration (XLA-compiled functions do not run Grappler).")
     if search_on:
         how = ("a fresh process whose GPU has `memory_limit` set to that" if dev["kind"] == "gpu"
                else "a fresh process whose CPU allocator peak (resident included) stays under "
@@ -516,9 +570,9 @@ def render(report, brief=False):
     lines.append("")
     header = ["model", "Grappler", "variant"] + [f"peak @{b} (MiB)" for b in a["batch_sizes"]]
     if a["rounds"]:
-        header += [f"step ms @{a['time_batch']}", "speed vs stock"]
+        header += [f"step ms @{a['time_batch']}", f"speed vs {ref}"]
     if search_on:
-        header += [f"largest batch under {limit} MiB", "vs stock"]
+        header += [f"largest batch under {limit} MiB", f"vs {ref}"]
     lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     notes = []
     configs = a["grappler"] + [c for c in (a["search_grappler"] if search_on else [])
@@ -532,18 +586,18 @@ def render(report, brief=False):
             for variant in variants:
                 row = [model, config, VARIANT_LABELS[variant]]
                 for b in a["batch_sizes"]:
-                    p, ps = _peak_of(measured, variant, b), _peak_of(measured, "stock", b)
+                    p, ps = _peak_of(measured, variant, b), _peak_of(measured, ref, b)
                     cell = f"{p / MIB:.1f}" if p is not None else "n/a"
-                    if variant != "stock" and p is not None and ps:
+                    if variant != ref and p is not None and ps:
                         cell += f" ({p / ps:.2f}x)"
                     row.append(cell)
                 if a["rounds"]:
                     t = _median(measured["times"].get(variant, []))
-                    ts = _median(measured["times"].get("stock", []))
+                    ts = _median(measured["times"].get(ref, []))
                     row.append(f"{t * 1e3:.1f}" if t else "n/a")
                     row.append(f"{ts / t:.2f}x" if t and ts else "n/a")
                 if search_on:
-                    r, rs = largest.get(variant), largest.get("stock")
+                    r, rs = largest.get(variant), largest.get(ref)
                     if r is None:
                         row += ["-", "-"]
                     else:
@@ -691,6 +745,8 @@ def parse_args(argv=None, prog=None):
                    help="seconds before a trial counts as failed (default 300)")
     p.add_argument("--worker-timeout", type=_positive_arg, default=1800,
                    help="seconds for one measuring process (default 1800)")
+    p.add_argument("--policy", default=None, choices=("mixed_bfloat16", "mixed_float16"),
+                   help="Keras dtype policy of every model (default: float32)")
     p.add_argument("--out", default=None,
                    help="FILE.md, or a directory for gpu_memory.md (default benchmarks/results, "
                         "with --quick build/demo); the raw numbers go beside it as .json")
@@ -700,8 +756,9 @@ def parse_args(argv=None, prog=None):
     args = p.parse_args(argv)
     q = args.quick
     args.models = args.models or ["simple", "vgg"]
-    args.variants = args.variants or list(VARIANTS)
-    if "stock" not in args.variants:
+    args.variants = args.variants or (
+        ["default", "default-switch", "default-remat", "stock", "argmax"] if q else list(VARIANTS))
+    if "stock" not in args.variants and "default" not in args.variants:
         args.variants = ["stock"] + args.variants
     args.batch_sizes = args.batch_sizes or ([1024] if q else [256, 1024])
     args.grappler = args.grappler or (["default", "layout-off"] if q else [
@@ -709,10 +766,11 @@ def parse_args(argv=None, prog=None):
     if args.search_grappler is None:  # the usual ones among those measured
         args.search_grappler = [c for c in (["default"] if q else ["default", "layout-off"])
                                 if c in args.grappler] or args.grappler[:1]
-    args.search_variants = args.search_variants or (["stock", "argmax"] if q else
+    args.search_variants = args.search_variants or (["default", "default-switch"] if q else
                                                     list(args.variants))
-    if "stock" not in args.search_variants:
-        args.search_variants = ["stock"] + args.search_variants
+    ref = "default" if "default" in args.variants else "stock"
+    if ref not in args.search_variants:
+        args.search_variants = [ref] + args.search_variants
     args.reps = args.reps or (3 if q else 5)
     args.rounds = args.rounds if args.rounds is not None else (10 if q else 20)
     if args.rounds < 0:
