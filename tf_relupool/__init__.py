@@ -4,6 +4,7 @@ from tf_relupool.ops import KEEP_ARGMAX, KEEP_INPUT, relu_max_pool2d
 from tf_relupool.config import (disable_recompute, enable_recompute, recompute,
                                 recompute_enabled, recompute_mode)
 from tf_relupool.layers import ReluMaxPool2D
+from tf_relupool import keras_fusion, xla  # noqa: F401  (the switch and the fused op under XLA)
 from tf_relupool.rewrite_graph import rewrite_function, rewrite_graph
 from tf_relupool.rewrite_model import rewrite_model
 from tf_relupool.saved_model import load_saved_model

@@ -196,7 +196,15 @@ def _backward(dy, code, dims, data_format):
     if dz is None:  # no input position is in any window (stride > window everywhere)
         dz = tf.zeros_like(tf.gather(tf.gather(dy, np.zeros(h, np.int32), axis=rows),
                                      np.zeros(w, np.int32), axis=cols))
-    return dz
+    return _positive_zeros(dz)
+
+
+@tf.custom_gradient
+def _positive_zeros(x):
+    """x with -0 as +0 (SelectAndScatter adds each dy into its +0 init, so stock's dz has no -0;
+    XLA simplifies an explicit `x + 0` away), and the identity's gradient."""
+    zero = tf.zeros([], x.dtype)
+    return tf.where(tf.equal(x, zero), zero, x), lambda g: g
 
 
 def relu_max_pool2d(z, ksize, strides, padding, explicit_paddings, data_format):
@@ -227,8 +235,12 @@ def relu_max_pool2d(z, ksize, strides, padding, explicit_paddings, data_format):
 
 
 def _stock_max_pool2d(r, ksize, strides, padding, explicit_paddings, data_format):
+    """Stock's MaxPool; explicit padding, which XLA's MaxPool lacks, as a VALID pool over r
+    padded with -inf (never a window's maximum)."""
     if padding == "EXPLICIT":
-        padding = [list(explicit_paddings[2 * d:2 * d + 2]) for d in range(4)]
+        pairs = [list(explicit_paddings[2 * d:2 * d + 2]) for d in range(4)]
+        r = tf.pad(r, pairs, constant_values=tf.constant(-np.inf, r.dtype))
+        padding = "VALID"
     return tf.nn.max_pool2d(r, ksize, strides, padding, data_format=data_format)
 
 
