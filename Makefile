@@ -32,7 +32,7 @@ install: $(VENV)/.installed
 # minutes each, and test_keras_integration.py covers bitwise training in the second.)
 STOCK_TESTS ?= tests/test_ops.py tests/test_rewrite.py tests/test_layers.py \
 	tests/test_keras_integration.py tests/test_fuzz.py tests/test_higher_order.py \
-	tests/test_grappler.py tests/test_cpu_dispatch.py
+	tests/test_grappler.py tests/test_cpu_dispatch.py tests/test_xla.py
 
 test: install
 	$(VENV)/bin/pytest -q tests
@@ -164,7 +164,7 @@ report: install
 demo-real: install
 	$(MAKE) --no-print-directory demo DATA=$(or $(DATA),../shared/data/cifar10-jpeg.tar.gz)
 
-# ---- Reliability (issue 6): fuzzing and sanitizers. README: "Fuzzing and sanitizers". ----
+# ---- Reliability (issue 6): fuzzing and sanitizers. docs/reliability.md. ----
 # `make fuzz` runs FUZZ_CALLS random calls (valid and invalid) of every op in worker processes
 # and prints counts (ok, errors by type, crashes); FUZZ_SEED picks the calls, so a failure replays.
 # `make sanitize` runs the framework-free kernel test under ASan+UBSan, then builds the op library

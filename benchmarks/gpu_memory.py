@@ -91,9 +91,8 @@ VARIANTS = {
     "default-layer": {"keep": "argmax", "switch": None, "jit": "auto"},
     "default-remat": {"keep": None, "switch": None, "jit": "auto", "remat": True},
 }
-VARIANT_LABELS = {"stock": "stock, jit_compile=False", "argmax": "fused argmax, jit_compile=False",
-                  "input": "fused input, jit_compile=False",
-                  "switch": "stock + enable_recompute(), jit_compile=False",
+VARIANT_LABELS = {"stock": "stock", "argmax": "fused argmax", "input": "fused input",
+                  "switch": "stock + enable_recompute()",
                   "default": "stock, Keras default compile",
                   "default-switch": "stock + enable_recompute(), Keras default compile",
                   "default-layer": "rewrite_model (ReluMaxPool2D), Keras default compile",
@@ -549,7 +548,8 @@ def render(report, brief=False):
                       "the CPU, with copies; the fused rows do not measure the GPU kernels.**"]
     ref = "default" if "default" in a["variants"] else "stock"
     method = ("Keras training: `compile(SGD(0.01), SparseCategoricalCrossentropy, "
-              "jit_compile=...)` as the variant says (Keras' default compile is XLA whenever a GPU "
+              "jit_compile=...)`: False for stock, fused argmax/input and stock + "
+              "enable_recompute(), none for the Keras default compile rows (XLA whenever a GPU "
               "is visible), `train_on_batch` on synthetic images (32x32x3 for the CIFAR-10 "
               "models, 224x224x3 and 1000 classes for keras.applications), dtype policy "
               f"{a.get('policy') or 'float32'}; "

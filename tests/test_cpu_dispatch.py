@@ -322,7 +322,7 @@ def test_every_path_bitwise_equal_to_baseline_and_stock(case):
             assert not results["baseline"]["dz_from_codes"].any()
             assert not results["baseline"]["dz_from_input"].any()
             return
-        # Stock, where it is defined (README "Exact semantics"): float32/float64 Relu's sign of
+        # Stock, where it is defined (docs/semantics.md): float32/float64 Relu's sign of
         # -0 depends on the element's address in stock, so stock sees -0 as +0 there. Denormals:
         # TensorFlow's threads compare them as zeros (denormals-are-zero), the fused ops then
         # return the selected value's bits, and stock returns them or flushes them to zero

@@ -121,7 +121,7 @@ def test_synthetic_training(tmp_path, model, batch, modes):
     out = tmp_path / "result.json"
     # On a GPU, stock's Grappler remapper fuses Conv2D+BiasAdd+Relu into one cuDNN call whose
     # bits differ from the unfused convolution the fused model keeps, and the layout optimizer
-    # turns stock's convolutions to NCHW but not those next to an op it does not know (README, GPU
+    # turns stock's convolutions to NCHW but not those next to an op it does not know (docs/gpu.md, GPU
     # section): the bitwise comparison runs with both off there.
     remapper = (["--remapper", "off", "--layout-optimizer", "off"]
                 if _expected_device() == "GPU:0" else [])
@@ -291,13 +291,17 @@ def test_grappler_configurations_and_error_kinds():
     assert (args.device, args.models, args.batch_sizes, args.grappler, args.search_grappler,
             args.search_variants, args.memory_limit, args.granularity) == (
         "gpu", ["simple", "vgg"], [1024], ["default", "layout-off"], ["default"],
-        ["stock", "argmax"], 2048, 64)
+        ["default", "default-switch"], 2048, 64)
+    # What users run is measured by default: Keras' default compile (XLA on a GPU) and
+    # keras.RematScope, beside the fused and jit_compile=False variants.
+    assert args.variants == ["default", "default-switch", "default-remat", "stock", "argmax"]
     assert gm.output_paths("/x/gpu.md", "/d") == ("/x/gpu.md", "/x/gpu.json")
     assert gm.output_paths(None, "/d") == ("/d/gpu_memory.md", "/d/gpu_memory.json")
 
 
 def _fake_gpu_report(gm):
-    args = vars(gm.parse_args(["--quick", "--models", "simple"]))
+    args = vars(gm.parse_args(["--quick", "--models", "simple", "--variants",
+                               "stock,argmax,input", "--search-variants", "stock,argmax"]))
     measured = {
         "default": {"peaks": {"stock": {"1024": [877 * MIB] * 3},
                               "argmax": {"1024": [716 * MIB, 716 * MIB, 720 * MIB]},

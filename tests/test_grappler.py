@@ -33,7 +33,7 @@ PRELUDE = textwrap.dedent("""
     tf.config.threading.set_inter_op_parallelism_threads(1)
     if tf.config.list_physical_devices("GPU"):
         # Stock GPU training is not bitwise reproducible from run to run (cuDNN autotuning,
-        # atomics: benchmarks/mixed_precision_order.py, README), so comparisons of the switch
+        # atomics: benchmarks/mixed_precision_order.py, docs/gpu.md), so comparisons of the switch
         # off and on are only meaningful with op determinism.
         tf.config.experimental.enable_op_determinism()
         tf.random.set_seed(0)  # random ops require a seed under op determinism

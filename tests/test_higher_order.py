@@ -7,7 +7,7 @@ Stock differentiates its backward: MaxPoolGrad -> MaxPoolGradGrad (gathers by va
 window position equal to the pooled output) and ReluGrad -> ReluGrad. The fused backward ops
 gather through the window argmax instead; the two agree on every window without NaN, which is
 compared bitwise with stock here. Windows holding NaN are checked against the written definition
-(README "Higher-order gradients"), computed independently in NumPy.
+(docs/semantics.md, "Higher-order gradients"), computed independently in NumPy.
 """
 import numpy as np
 import pytest
@@ -69,7 +69,7 @@ def _window_has_nan(z, ksize, strides, padding, data_format):
 
 
 def _definition_grad_grad(z, ddz, ksize, strides, padding, data_format):
-    """README's definition, in NumPy: scan the window row-major from the lowest value, a position
+    """docs/semantics.md's definition, in NumPy: scan the window row-major from the lowest value, a position
     takes over when `max < relu(v)`; if the first position is NaN or the maximum is not positive,
     ddy = ddz[first in-bounds position] * 0, else ddy = ddz[argmax] * 1."""
     zz = np.asarray(to_nhwc(tf.cast(z, tf.float64), data_format))

@@ -235,7 +235,7 @@ def conv_pool_step(ksize, strides, padding, data_format="NHWC", extra_consumer=F
 def test_rewrite_function_with_gradient_is_bitwise_equal(ksize, strides, padding, data_format,
                                                           keep):
     # On the CPU also where a GPU is visible: both graphs hold a stock convolution whose GPU bits
-    # depend on the layout and algorithm Grappler and cuDNN pick per graph (README, GPU section).
+    # depend on the layout and algorithm Grappler and cuDNN pick per graph (docs/gpu.md).
     with tf.device("/CPU:0"):
         _rewrite_function_with_gradient_is_bitwise_equal(ksize, strides, padding, data_format,
                                                          keep)

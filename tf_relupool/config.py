@@ -68,7 +68,9 @@ def parse_env_value(value):
 
 def enable_recompute(keep=KEEP_ARGMAX):
     """Turns the switch on: `ReluMaxPool2D(keep=None)` layers run the fused op, and stock
-    relu + max_pool pairs are fused inside Grappler in functions TensorFlow optimizes afterwards.
+    relu + max_pool pairs are fused in functions traced afterwards: inside XLA-compiled ones
+    (Keras' default compile on a GPU) where Keras' max pooling is traced (docs/xla.md), in
+    others by the graph pass inside Grappler (docs/grappler.md).
 
     Args:
       keep: what the fused op's backward keeps. "argmax" (default, the lowest memory): one code

@@ -192,7 +192,7 @@ void ReluMaxPoolBackwardFromArgmaxCpu(const PoolParams& p, const T* dy, const C*
 // ddz of the input's shape: ddy[o] = ddz[argmax(o)] * (code(o) is a position ? 1 : 0), where a
 // sentinel code means the window's first in-bounds position (times zero). This is stock's
 // MaxPoolGradGrad(relu(z), y, ReluGrad(ddz, relu(z))) for every window without NaN; see
-// README "Higher-order gradients" for windows holding NaN. Codes must be validated first.
+// docs/semantics.md, "Higher-order gradients", for windows holding NaN. Codes must be validated first.
 template <typename T, typename C>
 void ReluMaxPoolGradGradFromArgmaxCpu(const PoolParams& p, const T* ddz, const C* argmax, T* ddy,
                                       const ParallelRunner& runner);
