@@ -5,24 +5,25 @@ never run the op library's kernels (they have no XLA kernel) nor reach Grappler.
 `relu_max_pool2d`, `ReluMaxPool2D` and the switch's trace-time fusion (tf_relupool/keras_fusion.py)
 build the fused op out of stock ops that XLA compiles for any backend:
 
-- forward: one scan over the window positions of relu(z) (strided slices of the padded input,
-  which XLA fuses into one loop): the pooled maximum y, and a one-byte code per pooled element,
-  the position XLA's own max-pool gradient would route `dy` to, or `NO_GRADIENT` where that
-  position's ReLU'd value is not > 0 (stock's ReluGrad zeroes it there);
-- backward (`tf.custom_gradient`): dz from the codes and dy alone, one where/reshape/pad per
-  block of window offsets, blocks summed in stock's order for overlapping windows.
+- forward: y is stock's own `MaxPool(Relu(z))` (the same HLO, so the same max on every XLA
+  backend), and one scan over the window positions of the same relu(z) (strided slices of the
+  padded input, which XLA fuses into one loop) gives a one-byte code per pooled element: the
+  selected window position, or `NO_GRADIENT` where the selected ReLU'd value is not > 0 (stock's
+  ReluGrad zeroes it there);
+- backward (`tf.custom_gradient`): dz from the codes and dy alone, built at z's shape (gathers of
+  dy and the codes up to the input positions compared with constant offsets), one term per block
+  of window offsets, summed in output order for overlapping windows.
 
 Between forward and backward only the codes are kept (1 byte per pooled element), neither z nor
-relu(z). Stock under XLA keeps relu(z) for `MaxPoolGrad` and `ReluGrad`.
+relu(z). Stock under XLA keeps relu(z) (or z) for `MaxPoolGrad` and `ReluGrad`.
 
-Exact against stock under XLA (tf2xla lowers `Relu` to `max(0, z)`, `MaxPool` to
-`ReduceWindow(max, init -inf)`, `MaxPoolGrad` to `SelectAndScatter(select=Ge, scatter=Add,
-init 0)` over relu(z), and `ReluGrad` to `select(relu(z) > 0, g, 0)`): the forward is the same
-NaN-propagating maximum; the code is SelectAndScatter's selection (the first in-bounds position,
-replaced by a later one whenever `!(selected >= current)`: the first maximum, NaNs included, as
-XLA does); overlapping windows add their contributions per input element in output order,
-starting from zero, as XLA's sequential SelectAndScatter does on the CPU (on the GPU XLA's own
-scatter adds them in an order of its own; docs/xla.md).
+The definition (docs/xla.md, "Exact semantics under XLA"): each window selects its first
+in-bounds position in row-major order, and a later in-bounds one takes over whenever
+`!(selected >= current)` (the `Ge` select rule tf2xla gives XLA's SelectAndScatter: the first
+maximum; a NaN takes over and is taken over); dy goes there when relu(z) there is > 0, added per
+input element in output order from +0. That is stock under XLA bit for bit for VALID windows
+(and in the H200 trainings of docs/xla.md); XLA's CPU backend orders SAME-padded windows
+otherwise, which matters only for tied positive maxima and NaN.
 
 Windows of more than `MAX_WINDOW_POSITIONS` positions, and inputs whose spatial dimensions are
 unknown at trace time, run the stock ops inside XLA (exact), with one INFO log line.
