@@ -54,9 +54,9 @@ class ReluMaxPool2D(keras.layers.Layer):
         `recompute()`, `TF_RELUPOOL_RECOMPUTE`) at trace time; when it is off, the stock ops
         `relu` + `max_pool` run (numerically identical to `ReLU` + `MaxPooling2D`).
       - Inside XLA (`tf.function(jit_compile=True)`, and Keras' `compile()` default on a GPU):
-        the fused op built from stock ops that XLA compiles (tf_relupool/xla.py), bitwise equal
-        to the stock layers under XLA and keeping one byte per pooled element for the backward
-        (for either `keep`). `supports_jit` is True: Keras keeps XLA on.
+        the fused op built from stock ops that XLA compiles (tf_relupool/xla.py), with the stock
+        layers' bits under XLA as docs/xla.md defines them, keeping one byte per pooled element
+        for the backward (for either `keep`). `supports_jit` is True: Keras keeps XLA on.
       - Other Keras backends than TensorFlow: always the stock ops.
 
     Args:

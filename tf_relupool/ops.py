@@ -119,8 +119,10 @@ def relu_max_pool2d(input, ksize, strides, padding, data_format="NHWC", name=Non
 
     Inside XLA (`tf.function(jit_compile=True)`, Keras' default compile on a GPU) the op
     library's kernels cannot run; there the same function is built from stock ops that XLA
-    compiles (tf_relupool/xla.py, docs/xla.md), bitwise equal to stock under XLA, keeping one
-    byte per pooled element for the backward whatever `keep` says; `implementation` is ignored.
+    compiles (tf_relupool/xla.py), with stock's bits under XLA as docs/xla.md defines them (tied
+    maxima of SAME-padded windows: the first in row-major order, where XLA's CPU backend picks
+    another), keeping one byte per pooled element whatever `keep` says; `implementation` is
+    ignored.
 
     Args:
       input: 4-D tensor of float16, bfloat16, float32 or float64, in `data_format`.
