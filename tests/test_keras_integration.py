@@ -175,3 +175,56 @@ def test_missing_op_message_only_for_our_ops():
     assert "import tf_relupool" in tf_relupool.saved_model.missing_op_message(ours)
     assert tf_relupool.saved_model.missing_op_message(other) is None
     assert tf_relupool.saved_model.missing_op_message(ValueError("x")) is None
+
+
+def _conv_pool_step(x, w, b, d):
+    """A conv + bias + ReLU + overlapping 3x3/2 SAME max pool + dense step: the loss and the
+    gradients with respect to the pre-ReLU activation z, the kernel and the bias."""
+    with tf.GradientTape() as tape:
+        tape.watch([w, b])
+        z = tf.nn.bias_add(tf.nn.conv2d(x, w, 1, "SAME"), b)
+        tape.watch(z)
+        y = tf.nn.max_pool2d(tf.nn.relu(z), 3, 2, "SAME")
+        loss = tf.reduce_sum(tf.reshape(y, (x.shape[0], -1)) @ d)
+    return [loss] + tape.gradient(loss, [z, w, b])
+
+
+def test_overlapping_windows_after_a_conv_onednn_graph_order():
+    """Where stock disagrees with itself (docs/semantics.md): with oneDNN on, stock's graph-mode
+    MaxPoolGrad (TensorFlow's MklLayoutRewritePass puts oneDNN's pooling backward there) adds the
+    gradients of windows that share their maximum in an order of its own, while its eager
+    kernel, its Eigen kernels (oneDNN off) and tf_relupool add them in output order. The switch
+    (Grappler pass) in tf.function must equal stock's eager step in every quantity; stock's own
+    graph may differ only at elements that are the maximum of three or more windows (where the
+    order of additions can matter) and in what depends on them; with oneDNN off, stock's graph
+    equals its eager step too."""
+    rng = np.random.default_rng(0)
+    x = tf.constant(rng.normal(size=(8, 16, 16, 3)).astype(np.float32))
+    w = tf.constant(rng.normal(0, 0.3, (3, 3, 3, 32)).astype(np.float32))
+    b = tf.constant(rng.normal(0, 0.1, (32,)).astype(np.float32))
+    d = tf.constant(rng.normal(0, 0.1, (8 * 8 * 32, 10)).astype(np.float32))
+    eager = _conv_pool_step(x, w, b, d)
+    stock_graph = tf.function(_conv_pool_step)(x, w, b, d)
+    try:
+        tf_relupool.enable_recompute()
+        fused_graph = tf.function(_conv_pool_step)(x, w, b, d)
+    finally:
+        tf_relupool.disable_recompute()
+    names = ("loss", "dz", "kernel gradient", "bias gradient")
+    for name, got, want in zip(names, fused_graph, eager):
+        np.testing.assert_array_equal(got.numpy().view(np.uint32), want.numpy().view(np.uint32),
+                                      err_msg=f"switch in tf.function vs stock eager: {name}")
+    # How many windows pick each element as their maximum (stock eager, dy = 1: exact counts).
+    z = tf.nn.bias_add(tf.nn.conv2d(x, w, 1, "SAME"), b)
+    with tf.GradientTape() as tape:
+        tape.watch(z)
+        y = tf.nn.max_pool2d(tf.nn.relu(z), 3, 2, "SAME")
+    windows = tape.gradient(y, z, output_gradients=tf.ones_like(y)).numpy()
+    differs = stock_graph[1].numpy().view(np.uint32) != eager[1].numpy().view(np.uint32)
+    assert not (differs & (windows < 3)).any(), "stock's graph differs where order cannot matter"
+    assert stock_graph[0].numpy() == eager[0].numpy()  # the forward is the same
+    if not differs.any():
+        for name, got, want in zip(names[2:], stock_graph[2:], eager[2:]):
+            np.testing.assert_array_equal(got.numpy(), want.numpy(), err_msg=name)
+    if os.environ.get("TF_ENABLE_ONEDNN_OPTS") == "0":
+        assert not differs.any(), "with oneDNN off stock's graph and eager gradients agree"
