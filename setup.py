@@ -160,13 +160,17 @@ class BuildOpLibrary(build_ext):
         )
 
 
+_VERSIONS = {}
+exec((Path(__file__).resolve().parent / "tf_relupool" / "_versions.py").read_text(), _VERSIONS)
+_OLDEST = ".".join(map(str, _VERSIONS["OLDEST_TESTED"]))
+
 setup(
     name="tf_relupool",
     version="0.1.0",
     description="Fused ReLU + max pooling for TensorFlow: exact, faster, and lighter on memory.",
     packages=["tf_relupool"],
     python_requires=">=3.9",
-    install_requires=["tensorflow>=2.16", "numpy"],
+    install_requires=[f"tensorflow>={_OLDEST}", "numpy"],
     ext_modules=[Extension("tf_relupool._relu_max_pool_ops", sources=CPU_SOURCES)],
     cmdclass={"build_ext": BuildOpLibrary},
     zip_safe=False,

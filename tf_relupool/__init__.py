@@ -1,4 +1,13 @@
 """tf_relupool: fused ReLU + max pooling for TensorFlow, exact and lighter on memory."""
+import warnings as _warnings
+
+import tensorflow as _tf
+
+from tf_relupool import _versions
+
+# A TensorFlow outside the tested range: a warning naming both versions, not a failure.
+if _versions.untested_message(_tf.__version__):
+    _warnings.warn(_versions.untested_message(_tf.__version__), RuntimeWarning, stacklevel=2)
 from tf_relupool._loader import OpLibraryError, load_library
 from tf_relupool.ops import KEEP_ARGMAX, KEEP_INPUT, relu_max_pool2d
 from tf_relupool.config import (disable_recompute, enable_recompute, recompute,

@@ -1,0 +1,36 @@
+"""tf_relupool/_versions.py: the tested TensorFlow range, the import-time warning outside it."""
+import subprocess
+import sys
+
+import tensorflow as tf
+
+from tf_relupool import _versions
+
+
+def test_minor_parses_release_and_candidate_versions():
+    assert _versions.minor("2.20.0") == (2, 20)
+    assert _versions.minor("2.21.0rc1") == (2, 21)
+    assert _versions.minor("nightly") is None
+
+
+def test_message_only_outside_the_tested_range():
+    low, high = _versions.OLDEST_TESTED, _versions.NEWEST_TESTED
+    assert _versions.untested_message(f"{low[0]}.{low[1]}.0") is None
+    assert _versions.untested_message(f"{high[0]}.{high[1]}.3") is None
+    newer = _versions.untested_message(f"{high[0]}.{high[1] + 1}.0")
+    older = _versions.untested_message(f"{low[0]}.{low[1] - 1}.1")
+    for text, version in ((newer, f"{high[0]}.{high[1] + 1}.0"), (older, f"{low[0]}.{low[1] - 1}.1")):
+        assert text is not None and version in text
+        assert f"{low[0]}.{low[1]}" in text and f"{high[0]}.{high[1]}" in text
+
+
+def test_this_tensorflow_is_in_range_and_import_warns_outside_it():
+    assert _versions.untested_message(tf.__version__) is None
+    code = ("import warnings, tensorflow as tf; tf.__version__ = '2.99.0'\n"
+            "with warnings.catch_warnings(record=True) as w:\n"
+            "    warnings.simplefilter('always'); import tf_relupool\n"
+            "print([str(x.message) for x in w if '2.99.0' in str(x.message)])")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=300, cwd="/")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "untested" in proc.stdout and "2.99.0" in proc.stdout
