@@ -160,7 +160,11 @@ def test_bitwise_equal_to_definition_and_to_stock_under_xla(n, h, w, c, k, s, pa
     assert_bitwise_equal(_positive_zero(ddy), _positive_zero(ddy_ref),
                          f"second-order gradient vs definition {where}")
     if padding == "VALID":
-        assert_bitwise_equal(dz, dz_stock, f"gradient vs stock {where}")
+        if tf.__version__.startswith("2.21."):
+            assert_bitwise_equal(dz, dz_stock, f"gradient vs stock {where}")
+        else:  # older XLA (TF 2.19) passes a -0 in dy through a 1x1 window: zeros as +0
+            assert_bitwise_equal(_positive_zero(dz), _positive_zero(dz_stock),
+                                 f"gradient vs stock {where}")
     elif dtype != tf.bfloat16:  # distinct values: bfloat16 holds too few integers exactly
         size = int(np.prod(shape))
         distinct = rng.permutation(size).astype(np.float64) - size // 3
