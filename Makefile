@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 SOURCES := setup.py $(shell find cc tf_relupool -name '*.cc' -o -name '*.h' -o -name '*.cu' -o -name '*.py' 2>/dev/null)
 export TF_CPP_MIN_LOG_LEVEL ?= 2
 
-.PHONY: all install demo test test-slow bench clean
+.PHONY: all install demo test test-slow test-compat bench clean
 
 all: install
 
@@ -37,6 +37,12 @@ STOCK_TESTS ?= tests/test_ops.py tests/test_rewrite.py tests/test_layers.py \
 test: install
 	$(VENV)/bin/pytest -q tests
 	TF_ENABLE_ONEDNN_OPTS=0 $(VENV)/bin/pytest -q $(STOCK_TESTS)
+
+# Builds the package against other TensorFlow releases (one venv each under build/compat) and runs
+# the smoke subset with each: scripts/test_compat.sh; docs/install.md has the table.
+TF_VERSIONS ?=
+test-compat:
+	scripts/test_compat.sh $(TF_VERSIONS)
 
 test-slow: install
 	$(VENV)/bin/pytest -q -m slow tests
