@@ -4,7 +4,7 @@ One source for setup.py's `install_requires` (read there with `exec`, no import 
 and for the warning at import (tf_relupool/__init__.py). No TensorFlow import here.
 """
 #: Oldest and newest TensorFlow minor versions built and tested.
-OLDEST_TESTED = (2, 16)
+OLDEST_TESTED = (2, 20)
 NEWEST_TESTED = (2, 21)
 
 
