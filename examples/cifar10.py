@@ -79,6 +79,9 @@ def parse_args(argv=None):
     p = OneLineParser(prog="cifar10.py", description=__doc__.split("\n")[0])
     p.add_argument("--model", choices=MODELS, default="simple",
                    help="simple CNN, VGG-style or ResNet-style (default simple)")
+    p.add_argument("--jit-compile", choices=("auto", "true", "false"), default="auto",
+                   help="Keras' jit_compile: auto (default, what compile() does: XLA whenever a "
+                        "GPU is visible, the fused op's XLA form then), true or false")
     p.add_argument("--recompute", type=_modes, default=["off"], metavar="{off,argmax,input}",
                    help="off: stock layers; argmax: enable_recompute() defaults (1-byte argmax "
                         "codes); input: enable_recompute(keep='input'); several, comma-separated, "
@@ -209,7 +212,8 @@ def train_one(args, mode, tf, dev):
     fused = sum(isinstance(l, tf_relupool.ReluMaxPool2D) for l in _all_layers(model))
     model.compile(optimizer=keras.optimizers.Adam(args.learning_rate),
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                  metrics=["accuracy"], jit_compile=False)
+                  metrics=["accuracy"],
+                  jit_compile={"auto": "auto", "true": True, "false": False}[args.jit_compile])
     print(f"== {args.model}, recompute {mode}: {fused} fused ReLU+MaxPool layer(s); "
           f"{description}; batch {args.batch_size}", flush=True)
     stats = _step_stats_callback(tf, dev)
