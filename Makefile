@@ -32,7 +32,7 @@ install: $(VENV)/.installed
 # minutes each, and test_keras_integration.py covers bitwise training in the second.)
 STOCK_TESTS ?= tests/test_ops.py tests/test_rewrite.py tests/test_layers.py \
 	tests/test_keras_integration.py tests/test_fuzz.py tests/test_higher_order.py \
-	tests/test_grappler.py tests/test_cpu_dispatch.py tests/test_xla.py
+	tests/test_grappler.py tests/test_cpu_dispatch.py tests/test_xla.py tests/test_distribute.py
 
 test: install
 	$(VENV)/bin/pytest -q tests

@@ -250,3 +250,35 @@ def rewrite_serialized_graph(graph_bytes, mode, preserve=()):
 def reset_stats():
     if _lib is not None:
         _lib.tf_relupool_grappler_reset_stats()
+
+
+def executed_nodes(fn, *args, **kwargs):
+    """Calls `fn(*args, **kwargs)` once and returns (its result, the NodeDefs TensorFlow ran).
+
+    The nodes are those of the partition graphs TensorFlow's executor ran for the call: after
+    Grappler (this optimizer included) and TensorFlow's later passes (oneDNN's layout rewrite, the
+    placement of a function on its device), across every function the call ran. This is how to
+    check what a training step really executes, e.g. that a stock Keras model runs
+    `ReluMaxPoolWithWindowArgmax` with the switch on. Only calls of graph functions
+    (`tf.function`, Keras' train function) are recorded; eager ops are not. It uses TensorFlow's
+    run-metadata collection (`context.enable_graph_collection`), which holds for this call only.
+    """
+    from tensorflow.python.eager import context  # noqa: PLC0415 - TensorFlow's own API
+    ctx = context.context()
+    ctx.enable_graph_collection()
+    try:
+        out = fn(*args, **kwargs)
+        meta = ctx.export_run_metadata()
+    finally:
+        ctx.disable_graph_collection()
+    nodes = [n for fg in meta.function_graphs for g in fg.partition_graphs for n in g.node]
+    return out, nodes
+
+
+def executed_ops(fn, *args, **kwargs):
+    """Like executed_nodes, but the count of each op type: (result, {op type: count})."""
+    out, nodes = executed_nodes(fn, *args, **kwargs)
+    counts = {}
+    for n in nodes:
+        counts[n.op] = counts.get(n.op, 0) + 1
+    return out, counts

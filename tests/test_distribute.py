@@ -1,0 +1,155 @@
+"""tf.distribute: MultiWorkerMirroredStrategy with two worker processes on localhost, MirroredStrategy
+with Keras fit over logical CPUs, and a worker that dies mid-training.
+
+Everything runs examples/distributed.py (the script users copy) in fresh processes: a strategy,
+logical devices and op determinism are process-wide. Each run trains the stock model with the
+switch off, the same model with `enable_recompute()`, and `rewrite_model`'s ReluMaxPool2D layers,
+from the same initial weights on the same batches, in the same processes. What TensorFlow executed
+is read from the partition graphs of the first step (`tf_relupool.grappler.executed_ops`).
+"""
+import importlib.util
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(ROOT, "examples", "distributed.py")
+TIMEOUT = 420     # seconds for a whole run (about 30-60 s here)
+
+
+def _script():
+    spec = importlib.util.spec_from_file_location("distributed_example", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)   # no TensorFlow import at module level
+    return module
+
+
+def _env():
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", TF_CPP_MIN_LOG_LEVEL="2")
+    env.pop("TF_RELUPOOL_RECOMPUTE", None)
+    return env
+
+
+def _stock_pool_ops(ops):
+    return {k: v for k, v in ops.items() if "MaxPool" in k and not k.startswith("ReluMaxPool")}
+
+
+def _check_variants(variants, keep, local_replicas=1):
+    """Bitwise equal training in every variant; fused ops executed where expected; peak below
+    stock's on every allocator measured (the median over the steps after the first: single
+    steps vary by up to 25 MiB here with the allocator's free chunks and the input pipeline)."""
+    fwd = {"argmax": "ReluMaxPoolWithWindowArgmax", "input": "ReluMaxPool"}[keep]
+    bwd = {"argmax": "ReluMaxPoolGradFromWindowArgmax", "input": "ReluMaxPoolGrad"}[keep]
+    off = variants["off"]
+    assert len(set(off["losses"])) > 1                      # it does train
+    assert _stock_pool_ops(off["executed_ops"])             # stock MaxPool / MaxPoolGrad ran
+    assert fwd not in off["executed_ops"]
+    for name in ("switch", "layer"):
+        got = variants[name]
+        assert got["losses"] == off["losses"], name          # bit for bit
+        assert got["weights_sha256"] == off["weights_sha256"], name
+        ops = got["executed_ops"]
+        pools = 4 * local_replicas   # the model's 4 pools in each replica's copy of the step
+        assert ops.get(fwd) == pools and ops.get(bwd) == pools, (name, ops)
+        assert not _stock_pool_ops(ops), (name, ops)
+        for device, peak in off["peak_step_bytes"].items():
+            assert got["peak_step_bytes"][device] < peak, (name, device, got, off)
+    # the Grappler pass made the switch's fused ops; the layers brought their own
+    assert variants["switch"]["pass_fusions"] == 4 * local_replicas
+    assert variants["layer"]["pass_fusions"] == 0
+
+
+@pytest.mark.parametrize("keep", ["argmax", "input"])
+def test_multi_worker_two_processes_bitwise_fused_and_leaner(tmp_path, keep):
+    dist = _script()
+    out = tmp_path / "worker-{task}.json"
+    logs = [tmp_path / f"worker-{i}.log" for i in range(2)]
+    files = [open(p, "w") for p in logs]
+    procs = dist.start_local_workers(
+        2, ["--variants", "off,switch,layer", "--keep", keep, "--steps", "8",
+            "--global-batch-size", "128", "--deterministic", "--device", "cpu",
+            "--json", str(out)], env=_env(), cwd=tmp_path, outputs=files)
+    try:
+        for p in procs:
+            p.wait(timeout=TIMEOUT)
+    finally:
+        for p in procs:
+            p.kill()
+        for f in files:
+            f.close()
+    logs = [p.read_text(errors="replace") for p in logs]
+    for i, p in enumerate(procs):
+        assert p.returncode == 0, f"worker {i}:\n" + logs[i][-4000:]
+    results = [json.loads((tmp_path / f"worker-{i}.json").read_text()) for i in range(2)]
+    assert [r["task"] for r in results] == [0, 1]
+    assert all(r["replicas"] == 2 for r in results)
+    for r in results:
+        _check_variants(r["variants"], keep)
+    # the workers agree: the reduced losses and the mirrored weights
+    for name in ("off", "switch", "layer"):
+        assert results[0]["variants"][name]["losses"] == results[1]["variants"][name]["losses"]
+        assert (results[0]["variants"][name]["weights_sha256"] ==
+                results[1]["variants"][name]["weights_sha256"])
+
+
+@pytest.mark.parametrize("replicas", [2, 3])
+def test_mirrored_fit_logical_cpus_bitwise_fused_and_leaner(tmp_path, replicas):
+    # Batch 128: logical CPUs share one allocator and their replicas' peaks overlap in time, so
+    # that at small batches the saving is within that noise (docs/distribute.md).
+    proc = subprocess.run(
+        [sys.executable, SCRIPT, "--strategy", "mirrored", "--replicas", str(replicas),
+         "--variants", "off,switch,layer", "--steps", "6", "--global-batch-size", "126"
+         if replicas == 3 else "128", "--deterministic", "--device", "cpu",
+         "--json", str(tmp_path / "mirrored.json")],
+        env=_env(), cwd=tmp_path, capture_output=True, text=True, timeout=TIMEOUT)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    result = json.loads((tmp_path / "mirrored.json").read_text())
+    assert result["replicas"] == replicas
+    assert all(not v["jit_compile"] for v in result["variants"].values())  # Keras: no XLA here
+    _check_variants(result["variants"], "argmax", local_replicas=replicas)
+
+
+def _wait_for(path, text, deadline):
+    while time.monotonic() < deadline:
+        if path.exists() and text in path.read_text(errors="replace"):
+            return True
+        time.sleep(0.2)
+    return False
+
+
+@pytest.mark.parametrize("victim,sig", [(1, signal.SIGKILL), (0, signal.SIGKILL),
+                                        (1, signal.SIGSTOP)],
+                         ids=["worker-killed", "chief-killed", "worker-stopped"])
+def test_worker_dying_mid_training_fails_the_other_in_bounded_time(tmp_path, victim, sig):
+    """The survivor raises TensorFlow's error (the collective aborted, or the coordination
+    service reports the peer unhealthy) within a bound, instead of waiting forever."""
+    dist = _script()
+    logs = [tmp_path / f"worker-{i}.log" for i in range(2)]
+    files = [open(p, "w") for p in logs]
+    procs = dist.start_local_workers(
+        2, ["--variants", "switch", "--steps", "100000", "--global-batch-size", "16",
+            "--device", "cpu"], env=_env(), cwd=tmp_path, outputs=files)
+    survivor = 1 - victim
+    try:
+        assert _wait_for(logs[victim], "switch step 2 ", time.monotonic() + TIMEOUT), \
+            logs[victim].read_text()[-3000:]
+        procs[victim].send_signal(sig)
+        killed_at = time.monotonic()
+        rc = procs[survivor].wait(timeout=120)
+        waited = time.monotonic() - killed_at
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+        for f in files:
+            f.close()
+    text = logs[survivor].read_text(errors="replace")
+    assert rc != 0, text[-3000:]
+    assert waited < 60, waited    # ~1 s (port closed) or ~10 s (heartbeat timeout) here
+    assert ("UnavailableError" in text or "DeadlineExceededError" in text), text[-3000:]
+    assert "Traceback" in text and "Segmentation fault" not in text
