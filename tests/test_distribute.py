@@ -40,9 +40,12 @@ def _stock_pool_ops(ops):
 
 
 def _check_variants(variants, keep, local_replicas=1):
-    """Bitwise equal training in every variant; fused ops executed where expected; peak below
-    stock's on every allocator measured (the median over the steps after the first: single
-    steps vary by up to 25 MiB here with the allocator's free chunks and the input pipeline)."""
+    """Bitwise equal training in every variant; fused ops executed where expected; with
+    keep="argmax" (the default) peak below stock's on every allocator measured (the median over
+    the steps after the first: single steps vary by up to 25 MiB here with the allocator's free
+    chunks and the input pipeline). keep="input" keeps z, the same size as the ReLU output
+    stock keeps, and saves nothing at rest (docs/memory.md): its peak is within that noise of
+    stock's, above or below, so it is not compared."""
     fwd = {"argmax": "ReluMaxPoolWithWindowArgmax", "input": "ReluMaxPool"}[keep]
     bwd = {"argmax": "ReluMaxPoolGradFromWindowArgmax", "input": "ReluMaxPoolGrad"}[keep]
     off = variants["off"]
@@ -57,8 +60,10 @@ def _check_variants(variants, keep, local_replicas=1):
         pools = 4 * local_replicas   # the model's 4 pools in each replica's copy of the step
         assert ops.get(fwd) == pools and ops.get(bwd) == pools, (name, ops)
         assert not _stock_pool_ops(ops), (name, ops)
+        assert set(got["peak_step_bytes"]) == set(off["peak_step_bytes"]), (name, got, off)
         for device, peak in off["peak_step_bytes"].items():
-            assert got["peak_step_bytes"][device] < peak, (name, device, got, off)
+            if keep == "argmax":
+                assert got["peak_step_bytes"][device] < peak, (name, device, got, off)
     # the Grappler pass made the switch's fused ops; the layers brought their own
     assert variants["switch"]["pass_fusions"] == 4 * local_replicas
     assert variants["layer"]["pass_fusions"] == 0

@@ -183,6 +183,42 @@ def test_relu_with_other_consumers_is_left_alone_and_forward_only_is_fused():
         assert "other consumers" in r["stats"]["last_skip"]
 
 
+def test_pattern_split_over_devices_is_left_as_placed():
+    """A ReLU on one device feeding a pool on another (model parallelism, a strategy's placement):
+    the fused op would run on one of them, so the pass leaves the pair as placed, says why in
+    one line, and the values are stock's."""
+    r = run_case("""
+        cpu = tf.config.list_physical_devices("CPU")[0]
+        tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
+        tf_relupool.enable_recompute()
+        x = tf.random.normal([2, 8, 8, 4])
+        @tf.function
+        def split(x):
+            with tf.GradientTape() as tape:
+                tape.watch(x)
+                with tf.device("/cpu:0"):
+                    r = tf.nn.relu(x)
+                with tf.device("/cpu:1"):
+                    y = tf.nn.max_pool2d(r, 2, 2, "VALID")
+                loss = tf.reduce_sum(y * y)
+            return y, tape.gradient(loss, x)
+        grappler.reset_stats()
+        (y, dx), ops = ran_ops(split, x)
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            y_ref = tf.nn.max_pool2d(tf.nn.relu(x), 2, 2, "VALID")
+            loss = tf.reduce_sum(y_ref * y_ref)
+        dx_ref = tape.gradient(loss, x)
+        print(json.dumps(dict(ops=ops, stats=grappler.stats(),
+                              same=bits_equal(y, y_ref) and bits_equal(dx, dx_ref))))
+    """)
+    assert {"Relu", "MaxPool", "MaxPoolGrad"} <= set(r["ops"]), r["ops"]
+    assert not any(op.startswith("ReluMaxPool") for op in r["ops"]), r["ops"]
+    assert r["same"]
+    assert r["stats"]["errors"] == 0 and r["stats"]["not_fused"] >= 1, r["stats"]
+    assert "on different devices" in r["stats"]["last_skip"], r["stats"]["last_skip"]
+
+
 def test_keras_conv_relu_after_remapper_is_fused():
     r = run_case("""
         import keras

@@ -302,6 +302,23 @@ def test_relu_with_other_consumers_left_in_place(caplog):
     assert "the Relu has other consumers" in caplog.text
 
 
+def test_device_fields_one_device_or_unnamed_fused_two_devices_left(caplog):
+    """A node without a device goes where the placer puts it: a pair whose only named device is
+    one device is fused; a Relu and a MaxPool named on two devices are left as they are."""
+    gd = conv_pool_step(2, 2, "VALID").graph.as_graph_def()
+    for n in gd.node:
+        if n.op == "Relu":
+            n.device = "/device:CPU:0"
+    assert "ReluMaxPoolWithWindowArgmax" in graph_ops(tf_relupool.rewrite_graph(gd))
+    for n in gd.node:
+        if n.op == "MaxPool":
+            n.device = "/device:CPU:1"
+    with caplog.at_level(logging.INFO, logger="tf_relupool"):
+        new = tf_relupool.rewrite_graph(gd)
+    assert graph_ops(new) == graph_ops(gd)
+    assert "on different devices ('/device:CPU:0', '/device:CPU:1')" in caplog.text
+
+
 def test_keep_none_follows_switch_else_argmax():
     gd = conv_pool_step(2, 2, "VALID").graph.as_graph_def()
     assert "ReluMaxPoolWithWindowArgmax" in graph_ops(tf_relupool.rewrite_graph(gd))

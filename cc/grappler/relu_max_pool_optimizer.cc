@@ -55,6 +55,7 @@
 #include <cstring>
 #include <deque>
 #include <exception>
+#include <initializer_list>
 #include <mutex>
 #include <set>
 #include <stdexcept>
@@ -440,6 +441,25 @@ class Rewriter : public GraphPass {
     return false;
   }
 
+  // "" when the nodes (indices; -1 skipped) that name a device name the same one, else what
+  // differs. The fused nodes take one device: a pattern split over devices (model parallelism,
+  // a strategy's placement) is left as placed. A node without a device (an unplaced graph, as
+  // rewrite_graph sees it) goes where the placer puts it and agrees with any.
+  std::string DeviceProblem(std::initializer_list<int> nodes) const {
+    const NodeDef* first = nullptr;
+    for (int i : nodes) {
+      if (i < 0 || node(i).device().empty()) continue;
+      const NodeDef& n = node(i);
+      if (first == nullptr) {
+        first = &n;
+      } else if (n.device() != first->device()) {
+        return "'" + first->name() + "' and '" + n.name() + "' are on different devices ('" +
+               first->device() + "', '" + n.device() + "')";
+      }
+    }
+    return "";
+  }
+
   // "MaxPool 'p' after Relu 'r'" (and Pad 'x'): how refusals name a candidate.
   std::string Describe(int pool_i, int relu_i, int pad_i) const {
     std::string s = node(pool_i).op() + " '" + node(pool_i).name() + "'";
@@ -723,6 +743,8 @@ class Rewriter : public GraphPass {
     } else if (fused_conv) {
       return false;  // forward-only on a fused convolution: ReLU is already free, nothing to win
     }
+    problem = DeviceProblem({relu_i, pad_i, pool_i, pool_grad_i, slice_i, relu_grad_i});
+    if (!problem.empty()) return Skip(what, problem);
 
     plan->relu = relu_i;
     plan->fused_conv = fused_conv;
@@ -769,6 +791,8 @@ class Rewriter : public GraphPass {
         has_port_gt0_.count(pool.name()))
       return Skip(what, "the MaxPool's output feeds more than the Relu");
     if (Preserved(pool_i)) return Skip(what, "the MaxPool must be preserved (fetch/feed)");
+    problem = DeviceProblem({pool_i, relu_i});
+    if (!problem.empty()) return Skip(what, problem);
     plan->relu_of_pool = true;
     plan->relu = relu_i;
     plan->pool = pool_i;
