@@ -69,10 +69,13 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 EXAMPLES = os.path.join(ROOT, "examples")
-if EXAMPLES not in sys.path:
-    sys.path.insert(0, EXAMPLES)
+for _path in (HERE, EXAMPLES):   # harness.py beside this script, examples/devices.py
+    if _path not in sys.path:
+        sys.path.insert(0, _path)
 
 import devices  # noqa: E402  (examples/devices.py; no TensorFlow import)
+from harness import (MIB, OOM_HINTS, classify_error, git_head, largest_fitting,  # noqa: E402,F401
+                     round_down, search_start, tail as _tail)
 
 # examples/models.py's CIFAR-10 models (32x32x3, 10 classes), then keras.applications models
 # at 224x224x3 with 1000 classes (weights=None), as users train them.
@@ -99,13 +102,6 @@ VARIANT_LABELS = {"stock": "stock", "argmax": "fused argmax", "input": "fused in
                   "default-remat": "keras.RematScope(activations), Keras default compile"}
 SWITCHED = {v: spec["switch"] for v, spec in VARIANTS.items() if spec["switch"]}
 CONFIG_ITEMS = ("layout-off", "remapper-off", "workspace-0", "autotune-off")
-MIB = 2.0 ** 20
-# Messages of errors that are out-of-memory in disguise (cuDNN or cuBLAS failing to allocate).
-OOM_HINTS = ("out of memory", "oom when allocating", "resource exhausted", "resourceexhausted",
-             "failed to get convolution algorithm", "cudnn_status_alloc_failed",
-             "cudnn_status_not_initialized", "cublas_status_alloc_failed",
-             "failed to allocate", "dnn library initialization failed",
-             "dst tensor is not initialized", "failed copying input tensor")
 
 
 class ReportError(RuntimeError):
@@ -141,87 +137,6 @@ def parse_config(name):
     if "autotune-off" in items:
         settings["cudnn_autotune"] = False
     return settings
-
-
-def _down(value, granularity):
-    return (int(value) // granularity) * granularity
-
-
-def largest_fitting(fits, start, granularity=64, step=None, highest=1 << 16):
-    """The largest multiple of `granularity` b <= `highest` with fits(b), assuming that fits is
-    monotone (True up to some batch, False above); 0 when even `granularity` does not fit.
-
-    Starts at `start` (rounded down to the granularity), moves up while fits() holds (or down
-    while it does not, never below half the batch that failed) by `step` (default: `start`,
-    i.e. doubling, or halving), doubling the step each time, until the answer is bracketed;
-    then bisects the bracket down to one granularity.
-    fits() is called at most once per batch size. Returns (batch, {batch: fits(batch)})."""
-    g = int(granularity)
-    if g <= 0:
-        raise ValueError(f"granularity must be > 0, got {granularity}")
-    highest = max(g, _down(highest, g))
-    seen = {}
-
-    def check(b):
-        if b not in seen:
-            seen[b] = bool(fits(b))
-        return seen[b]
-
-    b = min(highest, max(g, _down(start, g)))
-    step = max(g, _down(step if step else b, g))
-    if check(b):
-        lo, hi = b, None
-        while hi is None:
-            if lo == highest:
-                return lo, seen
-            b = min(highest, lo + step)
-            step *= 2
-            if check(b):
-                lo = b
-            else:
-                hi = b
-    else:
-        lo, hi = None, b
-        while lo is None:
-            if hi == g:
-                return 0, seen
-            # Down by the step, but never below half of the failing batch: from a guess
-            # without a measurement (step = start) this halves.
-            b = max(g, hi - step, _down(hi // 2, g))
-            step *= 2
-            if check(b):
-                lo = b
-            else:
-                hi = b
-    while hi - lo > g:
-        mid = lo + ((hi - lo) // (2 * g)) * g
-        if check(mid):
-            lo = mid
-        else:
-            hi = mid
-    return lo, seen
-
-
-def search_start(peaks, limit_mib, granularity, fallback):
-    """(start, step) for largest_fitting from measured peaks {batch: peak bytes}: the batch whose
-    peak, scaled linearly from the largest measured batch, is 90% of the limit; an eighth of it as
-    the first step. `fallback` (and doubling) when nothing was measured."""
-    if not peaks:
-        return fallback, fallback
-    batch = max(peaks)
-    per_sample = peaks[batch] / batch
-    if per_sample <= 0:
-        return fallback, fallback
-    start = max(granularity, _down(0.9 * limit_mib * MIB / per_sample, granularity))
-    return start, max(granularity, _down(start / 8, granularity))
-
-
-def classify_error(exc_type, message):
-    """'oom' for out-of-memory errors (also cuDNN/cuBLAS allocation failures), else 'error'."""
-    text = f"{exc_type} {message}".lower()
-    if exc_type == "ResourceExhaustedError" or any(h in text for h in OOM_HINTS):
-        return "oom"
-    return "error"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -423,10 +338,6 @@ def _result_line(stdout):
     return lines[-1] if lines else None
 
 
-def _tail(text, n=3000):
-    return text[-n:] if text else ""
-
-
 def probe_device(device="auto", timeout=300):
     """The device a worker measures here ({"kind", "name", "description", ...}), by asking
     TensorFlow in a subprocess (so that this process never initialises TensorFlow)."""
@@ -513,7 +424,7 @@ def search_largest(args, model, config, variant, peaks=None, log=print, name="gp
 
     best, _ = largest_fitting(fits, start, args.granularity, step, args.highest)
     return {"batch": best, "capped": best >= max(args.granularity,
-                                                 _down(args.highest, args.granularity)),
+                                                 round_down(args.highest, args.granularity)),
             "trials": trials}
 
 
@@ -630,14 +541,6 @@ def render(report, brief=False):
                      "`{\"remapping\": False}`; workspace-0 = `TF_CUDNN_WORKSPACE_LIMIT_IN_MB=0`; "
                      "autotune-off = `TF_CUDNN_USE_AUTOTUNE=0`.")
     return "\n".join(lines) + "\n"
-
-
-def _git_head():
-    try:
-        return subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"],
-                              capture_output=True, text=True, timeout=30).stdout.strip() or None
-    except (OSError, subprocess.SubprocessError):
-        return None
 
 
 def output_paths(out, default_dir):
@@ -859,7 +762,7 @@ def main(argv=None, prog=None):
         print(f"{name}: error: {e}", file=sys.stderr)
         return 1
     report["meta"].update({"date": f"{datetime.datetime.now():%Y-%m-%d %H:%M}",
-                           "git_head": _git_head(), "host": platform.node(),
+                           "git_head": git_head(), "host": platform.node(),
                            "seconds": round(time.time() - t0)})
     md = render(report)
     os.makedirs(os.path.dirname(os.path.abspath(md_path)), exist_ok=True)

@@ -399,7 +399,7 @@ def run_mirrored(args):
         tf.config.experimental.enable_op_determinism()
     strategy = tf.distribute.MirroredStrategy(names, cross_device_ops=cross)
     results = {"strategy": "mirrored", "replicas": strategy.num_replicas_in_sync,
-               "device": what, "variants": {}}
+               "device": what, "tensorflow": tf.__version__, "variants": {}}
     for variant in args.variants:
         results["variants"][variant] = train_mirrored(tf, strategy, allocators, args, variant)
     print_results(results, "")
