@@ -1,0 +1,115 @@
+"""benchmarks/harness.py: the largest-batch search, out-of-memory classification, trial processes;
+and benchmarks/distributed_memory.py's arguments and table, which build on them."""
+import importlib.util
+import os
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BENCHMARKS = os.path.join(ROOT, "benchmarks")
+MIB = 2 ** 20
+
+
+def _module(name):
+    """A benchmarks/ module (none imports TensorFlow at module level)."""
+    if BENCHMARKS not in sys.path:
+        sys.path.insert(0, BENCHMARKS)
+    spec = importlib.util.spec_from_file_location(name, os.path.join(BENCHMARKS, name + ".py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+harness = _module("harness")
+
+
+def test_largest_batch_search_finds_known_boundaries():
+    """Doubling (or halving) from the start, then bisection to the granularity, with a fake
+    trial function: the exact boundary, each batch tried once, few trials."""
+    for boundary in (0, 63, 64, 100, 2752, 3264, 5248, 65536, 10 ** 6):
+        for start, step in ((1024, None), (4096, None), (64, None), (2112, 256), (10 ** 6, None)):
+            tried = []
+
+            def fits(batch):
+                tried.append(batch)
+                return batch <= boundary
+
+            best, seen = harness.largest_fitting(fits, start, 64, step, highest=65536)
+            assert best == min(65536, boundary // 64 * 64), (boundary, start, step, tried)
+            assert len(tried) == len(set(tried)) == len(seen), tried
+            assert all(b % 64 == 0 and 64 <= b <= 65536 for b in tried), tried
+            assert len(tried) <= 16, (boundary, start, step, tried)
+    # Doubling from 1024 to the NOTES' stock simple-CNN boundary 2752: 1024, 2048, 4096 (OOM),
+    # then bisection between 2048 and 4096 to 64.
+    tried = []
+    best, _ = harness.largest_fitting(lambda b: tried.append(b) or b <= 2752, 1024, 64)
+    assert best == 2752 and tried[:3] == [1024, 2048, 4096] and len(tried) == 8, tried
+    with pytest.raises(ValueError, match="granularity"):
+        harness.largest_fitting(lambda b: True, 64, 0)
+
+
+def test_search_start_scales_the_measured_peak_to_the_limit():
+    # 877 MiB at batch 1024 under a 2048 MiB limit: 90% of the limit at 2151 -> 2112, step 256.
+    start, step = harness.search_start({1024: 877 * MIB}, 2048, 64, 1024)
+    assert start == 2112 and step == 256, (start, step)
+    assert harness.search_start({}, 2048, 64, 1024) == (1024, 1024)
+    assert harness.search_start({64: 0}, 2048, 64, 512) == (512, 512)
+
+
+def test_out_of_memory_in_disguise_is_oom():
+    assert harness.classify_error("ResourceExhaustedError", "OOM when allocating tensor") == "oom"
+    assert harness.classify_error("UnknownError", "Failed to get convolution algorithm. This is "
+                                  "probably because cuDNN failed to initialize") == "oom"
+    assert harness.classify_error("InvalidArgumentError", "input must be 4-dimensional") == "error"
+
+
+def test_run_fresh_reads_status_from_the_exit(tmp_path):
+    ok = harness.run_fresh([sys.executable, "-c", "print('hi')"], timeout=60)
+    assert ok["status"] == "fits" and ok["stdout"].strip() == "hi"
+    oom = harness.run_fresh([sys.executable, "-c", "import sys; sys.stderr.write("
+                             "'ResourceExhaustedError: OOM when allocating\\n'); sys.exit(1)"],
+                            timeout=60)
+    assert oom["status"] == "oom" and "exit status 1" in oom["message"]
+    crash = harness.run_fresh([sys.executable, "-c", "raise KeyError('x')"], timeout=60)
+    assert crash["status"] == "crash" and "KeyError" in crash["message"]
+    slow = harness.run_fresh([sys.executable, "-c", "import time; time.sleep(30)"], timeout=1)
+    assert slow["status"] == "timeout"
+    env = harness.trial_env({"TF_FORCE_GPU_ALLOW_GROWTH": "true", "A": "1"})
+    assert "TF_FORCE_GPU_ALLOW_GROWTH" not in env and env["A"] == "1"
+
+
+def test_distributed_memory_arguments_are_checked():
+    dm = _module("distributed_memory")
+    args = dm.parse_args([])
+    assert args.models == list(dm.MODELS) and args.search_models == ["vgg16"]
+    assert dm.parse_args(["--device", "cpu"]).search_models == []
+    assert dm.parse_args(["--batch-sizes", "simple=64"]).batch_sizes == {"simple": 64}
+    for bad in (["--replicas", "0"], ["--models", "alexnet"], ["--batch-sizes", "simple=x"],
+                ["--replicas", "3"],                       # 512 is no multiple of 3
+                ["--device", "cpu", "--search-models", "simple"],
+                ["--search-variants", "on"]):
+        with pytest.raises(SystemExit):
+            dm.parse_args(bad)
+
+
+def test_distributed_memory_table_flags_losses_that_differ():
+    dm = _module("distributed_memory")
+
+    def variant(losses, peak):
+        return {"losses": losses, "peak_step_bytes": {"GPU:0": peak, "GPU:1": peak // 2},
+                "step_seconds": 0.01, "executed_ops": {"ReluMaxPoolWithWindowArgmax": 8,
+                                                       "ReluMaxPoolGradFromWindowArgmax": 8}}
+    report = {"meta": {"replicas": 2, "device": "2 logical GPUs", "date": "d", "commit": "c",
+                       "host": "h", "memory_limit": 4096},
+              "models": {"simple": {"batch": 64, "variants": {
+                  "off": variant(["a", "b"], 200 * MIB), "switch": variant(["a", "b"], 100 * MIB),
+                  "layer": variant(["a", "c"], 150 * MIB)}}},
+              "largest": {"simple": {"switch": {"global_batch": 96}}}}
+    rows = [l for l in dm.render(report).splitlines() if l.startswith("| simple")]
+    assert len(rows) == 3
+    cells = [[c.strip() for c in r.strip("|").split("|")] for r in rows]
+    assert [c[3] for c in cells] == ["yes", "yes", "NO"]
+    assert [c[4] for c in cells] == ["200", "100", "150"]      # the larger replica's peak
+    assert [c[5] for c in cells] == ["1.00x", "0.50x", "0.75x"]
+    assert [c[8] for c in cells] == ["-", "96", "-"]
