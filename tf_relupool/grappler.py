@@ -1,6 +1,6 @@
 """The recompute switch inside Grappler: enable_recompute() fuses stock code.
 
-The op library also holds a Grappler graph optimizer (cc/grappler/relu_max_pool_optimizer.cc),
+The op library also holds a Grappler graph optimizer (cc/grappler/: plugin.cc and its passes),
 registered with TensorFlow through its pluggable graph optimizer C API (`TF_InitGraph`, loaded by
 `load_pluggable_device_library`). TensorFlow then runs it on every graph it optimizes, after its
 own passes: every `tf.function`, Keras' train/predict functions. While the switch is on it
