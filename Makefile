@@ -30,9 +30,10 @@ install: $(VENV)/.installed
 # where stock has no NCHW Conv2D/MaxPool), so that neither a result nor a test that holds only
 # with oneDNN can land. (test_examples.py's stock-vs-fused trainings stay in the first pass only:
 # minutes each, and test_keras_integration.py covers bitwise training in the second.)
-STOCK_TESTS ?= tests/test_ops.py tests/test_rewrite.py tests/test_layers.py \
+STOCK_TESTS ?= tests/test_ops.py tests/test_rewrite.py tests/test_layers.py tests/test_patterns.py \
 	tests/test_keras_integration.py tests/test_fuzz.py tests/test_higher_order.py \
-	tests/test_grappler.py tests/test_cpu_dispatch.py tests/test_xla.py tests/test_distribute.py
+	tests/test_grappler.py tests/test_fuse_relu_max_pool.py tests/test_fold_transposes.py \
+	tests/test_cpu_dispatch.py tests/test_xla.py tests/test_distribute.py
 
 test: install
 	$(VENV)/bin/pytest -q tests

@@ -11,7 +11,8 @@ set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 COMPAT_DIR=${COMPAT_DIR:-$ROOT/build/compat}
 PYTHON=${PYTHON:-python3}
-SMOKE=(test_ops.py test_layers.py test_grappler.py test_xla.py test_loader.py)
+SMOKE=(test_ops.py test_layers.py test_grappler.py test_fuse_relu_max_pool.py test_fold_transposes.py
+       test_patterns.py test_xla.py test_loader.py)
 [ $# -gt 0 ] || set -- 2.20.0
 mkdir -p "$COMPAT_DIR" && COMPAT_DIR=$(cd "$COMPAT_DIR" && pwd)
 

@@ -71,6 +71,7 @@ def _c_library():
         lib.tf_relupool_grappler_stats.argtypes = [ctypes.POINTER(ctypes.c_int64), ctypes.c_int]
         lib.tf_relupool_grappler_text.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int]
         lib.tf_relupool_grappler_registered.argtypes = [ctypes.c_char_p, ctypes.c_int]
+        lib.tf_relupool_grappler_patterns.argtypes = [ctypes.c_char_p, ctypes.c_int]
         lib.tf_relupool_grappler_set_next_device_type.argtypes = [ctypes.c_char_p]
         lib.tf_relupool_rewrite_graph.argtypes = [
             ctypes.c_char_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_char_p,
@@ -213,6 +214,15 @@ def stats():
     return out
 
 
+def pattern_table_text():
+    """cc/grappler/patterns.h's table as the library holds it (tf_relupool.patterns parses it)."""
+    lib = _c_library()
+    size = lib.tf_relupool_grappler_patterns(None, 0)
+    buf = ctypes.create_string_buffer(size + 1)
+    lib.tf_relupool_grappler_patterns(buf, len(buf))
+    return buf.value.decode()
+
+
 def rewrite_serialized_graph(graph_bytes, mode, preserve=()):
     """Runs the pass over a serialized GraphDef outside Grappler (the implementation of
     tf_relupool.rewrite_graph). Nodes without a device are taken as CPU nodes.
@@ -252,6 +262,19 @@ def reset_stats():
         _lib.tf_relupool_grappler_reset_stats()
 
 
+def _run_metadata(fn, args, kwargs):
+    """Calls fn once with TensorFlow's run-metadata collection on: (result, RunMetadata)."""
+    from tensorflow.python.eager import context  # noqa: PLC0415 - TensorFlow's own API
+    ctx = context.context()
+    ctx.enable_graph_collection()
+    try:
+        out = fn(*args, **kwargs)
+        meta = ctx.export_run_metadata()
+    finally:
+        ctx.disable_graph_collection()
+    return out, meta
+
+
 def executed_nodes(fn, *args, **kwargs):
     """Calls `fn(*args, **kwargs)` once and returns (its result, the NodeDefs TensorFlow ran).
 
@@ -263,16 +286,16 @@ def executed_nodes(fn, *args, **kwargs):
     (`tf.function`, Keras' train function) are recorded; eager ops are not. It uses TensorFlow's
     run-metadata collection (`context.enable_graph_collection`), which holds for this call only.
     """
-    from tensorflow.python.eager import context  # noqa: PLC0415 - TensorFlow's own API
-    ctx = context.context()
-    ctx.enable_graph_collection()
-    try:
-        out = fn(*args, **kwargs)
-        meta = ctx.export_run_metadata()
-    finally:
-        ctx.disable_graph_collection()
-    nodes = [n for fg in meta.function_graphs for g in fg.partition_graphs for n in g.node]
-    return out, nodes
+    out, meta = _run_metadata(fn, args, kwargs)
+    return out, [n for fg in meta.function_graphs for g in fg.partition_graphs for n in g.node]
+
+
+def optimized_nodes(fn, *args, **kwargs):
+    """Like executed_nodes, but the nodes of each function's graph as Grappler left it (this
+    optimizer included), before TensorFlow's later passes: stock op names (MaxPool, not oneDNN's
+    _MklNativeMaxPool), as the pass sees and writes them."""
+    out, meta = _run_metadata(fn, args, kwargs)
+    return out, [n for fg in meta.function_graphs for n in fg.post_optimization_graph.node]
 
 
 def executed_ops(fn, *args, **kwargs):

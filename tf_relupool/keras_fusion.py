@@ -7,7 +7,8 @@ tf_relupool wraps the max pooling of Keras' TensorFlow backend (`keras.src.backe
 .max_pool`, which `MaxPooling2D` and `keras.ops.max_pool` call): inside an XLA-compiled function,
 a 2-D max pool whose input is, at trace time, the output of a `Relu` op, or a zero-constant
 `Pad` of one (the ResNet stem's `ZeroPadding2D`), becomes the fused op in its XLA form
-(tf_relupool/xla.py) over the ReLU's input. Everywhere else (no XLA, another producer, 1-D/3-D
+(tf_relupool/xla.py) over the ReLU's input. Those are the trace-time patterns of the pattern
+table (tf_relupool.patterns: cc/grappler/patterns.h, which the Grappler pass reads too). Everywhere else (no XLA, another producer, 1-D/3-D
 pooling) the wrapped function calls Keras' own unchanged.
 
 Exact: the fused op computes max_pool(relu(z)) and its gradient bit for bit as stock does under
@@ -24,11 +25,14 @@ import threading
 
 import numpy as np
 
+from tf_relupool import patterns
+
 logger = logging.getLogger("tf_relupool")
 
 _lock = threading.Lock()
 _original = []  # [Keras' own max_pool] while the wrapper is installed
 _stats = {"fused": 0, "fused_through_pad": 0}
+_unknown_roles = set()  # roles of trace-time patterns without a rule here (warned once each)
 
 
 def stats():
@@ -75,25 +79,53 @@ def _const(tensor):
 
 
 def _fusable_input(inputs):
-    """(z, pad) where `inputs` is Relu(z) -> (z, None), or Pad(Relu(z)) padding with a value c
-    that ReLU keeps bit for bit (c >= +0, not NaN) -> (z, (paddings, c)); else None."""
-    op = getattr(inputs, "op", None)
-    if op is None:
-        return None
+    """(z, pad) where `inputs`, a max pool's input, completes a trace-time pattern of the table
+    (tf_relupool.patterns, the one the Grappler pass reads): Relu(z) -> (z, None); Pad(Relu(z))
+    padding with a value c that ReLU keeps bit for bit (c >= +0, not NaN) -> (z, (paddings, c));
+    else None."""
+    for p in patterns.for_fuser("trace"):
+        if p.chain[0] == "pool":
+            found = _match(inputs, p.chain[1:])
+            if found is not None:
+                return found
+    return None
+
+
+def _match(tensor, roles):
+    """(z, pad) when `tensor` is made by ops playing `roles` in turn, the last one a ReLU."""
     pad = None
-    if op.type in ("Pad", "PadV2") and len(op.inputs[0].shape) == 4:
-        paddings = _const(op.inputs[1])
-        c = 0 if op.type == "Pad" else _const(op.inputs[2])
-        if paddings is None or c is None:
+    for i, role in enumerate(roles):
+        op = getattr(tensor, "op", None)
+        if op is None or op.type not in patterns.role_ops(role):
             return None
-        c = np.asarray(c, dtype=inputs.dtype.as_numpy_dtype)
-        if c.shape != () or np.isnan(c) or np.signbit(c):
+        if role == "relu":
+            return (op.inputs[0], pad) if i == len(roles) - 1 else None
+        if role != "pad":
+            if role not in _unknown_roles:
+                _unknown_roles.add(role)
+                logger.warning("tf_relupool: the trace-time fusion has no rule for the pattern "
+                               "role %r; patterns with it run stock's ops", role)
             return None
-        pad = (paddings.tolist(), c)
-        op = op.inputs[0].op
-    if op.type != "Relu":
+        pad = _pad_constant(op, tensor)
+        if pad is None:
+            return None
+        tensor = op.inputs[0]
+    return None
+
+
+def _pad_constant(op, output):
+    """(paddings, c) of a 4-D Pad/PadV2 with constant paddings and a value c that ReLU keeps bit
+    for bit (c >= +0, not NaN), else None."""
+    if len(op.inputs[0].shape) != 4:
         return None
-    return op.inputs[0], pad
+    paddings = _const(op.inputs[1])
+    c = 0 if op.type == "Pad" else _const(op.inputs[2])
+    if paddings is None or c is None:
+        return None
+    c = np.asarray(c, dtype=output.dtype.as_numpy_dtype)
+    if c.shape != () or np.isnan(c) or np.signbit(c):
+        return None
+    return paddings.tolist(), c
 
 
 def _max_pool(inputs, pool_size, strides=None, padding="valid", data_format=None):

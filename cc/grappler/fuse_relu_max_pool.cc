@@ -1,5 +1,7 @@
 // The fusion pass: stock ReLU + max pooling, and its gradient, become tf_relupool's fused ops.
-// cc/grappler/README.md has the facts this relies on.
+// cc/grappler/README.md has the facts this relies on. The op types of each role below (pool,
+// relu, pad, ...) and the list of patterns are patterns.h's table, which the trace-time fusion
+// under XLA (tf_relupool/keras_fusion.py) reads too.
 //
 // Patterns, matched on the graph TensorFlow hands to plugin optimizers (after its own passes,
 // remapper and layout optimizer included), or on a GraphDef given to tf_relupool.rewrite_graph:
@@ -50,6 +52,7 @@
 #include <utility>
 #include <vector>
 
+#include "cc/grappler/patterns.h"
 #include "cc/kernels/relu_max_pool.h"  // CheckExplicitPaddings
 #include "tensorflow/core/framework/op_kernel.h"
 #include "tensorflow/core/platform/logging.h"
@@ -63,15 +66,30 @@ bool SupportedType(tensorflow::DataType t) {
          t == tensorflow::DT_DOUBLE;
 }
 
-bool IsMaxPool(const NodeDef& n) { return n.op() == "MaxPool" || n.op() == "MaxPoolV2"; }
-bool IsMaxPoolGrad(const NodeDef& n) {
-  return n.op() == "MaxPoolGrad" || n.op() == "MaxPoolGradV2";
-}
-bool IsPad(const NodeDef& n) { return n.op() == "Pad" || n.op() == "PadV2"; }
-bool IsReluSource(const NodeDef& n) { return n.op() == "Relu" || n.op() == "_FusedConv2D"; }
+// A role of patterns.h: whether a node's op plays it (the set is built once, at load).
+class RoleTest {
+ public:
+  explicit RoleTest(const char* role) : ops_(RoleOps(role)) {}
+  bool operator()(const NodeDef& n) const { return ops_.count(n.op()) > 0; }
+
+ private:
+  std::unordered_set<std::string> ops_;
+};
+
+const RoleTest IsMaxPool("pool");
+const RoleTest IsMaxPoolGrad("pool_grad");
+const RoleTest IsPad("pad");
+const RoleTest IsRelu("relu");
+const RoleTest IsReluGrad("relu_grad");
+const RoleTest IsFusedConvRelu("fused_conv_relu");
 // Ops that read only their input's shape: the same after the rewrite when fed z instead of relu(z).
-bool IsShapeOnly(const NodeDef& n) {
-  return n.op() == "Shape" || n.op() == "ShapeN" || n.op() == "Rank" || n.op() == "Size";
+const RoleTest IsShapeOnly("shape_only");
+
+bool IsReluSource(const NodeDef& n) { return IsRelu(n) || IsFusedConvRelu(n); }
+// The nodes a pattern can involve, whose data consumers the pass indexes (a Slice: a Pad's
+// gradient).
+bool IsPatternOp(const NodeDef& n) {
+  return IsReluSource(n) || IsMaxPool(n) || IsMaxPoolGrad(n) || IsPad(n) || n.op() == "Slice";
 }
 
 // The narrowest code type for windows of ksize (the window may be smaller at run time).
@@ -114,7 +132,7 @@ class Rewriter : public GraphPass {
     for (int i = 0; i < g_->node_size(); ++i) {
       const NodeDef& n = g_->node(i);
       const bool pool = IsMaxPool(n);
-      if ((!pool && n.op() != "Relu") || n.input_size() == 0 || IsControl(n.input(0))) continue;
+      if ((!pool && !IsRelu(n)) || n.input_size() == 0 || IsControl(n.input(0))) continue;
       const int src = Find(ParseInput(n.input(0)).node);
       if (src < 0) continue;
       if (pool && (IsReluSource(node(src)) || IsPad(node(src)))) pools.push_back(i);
@@ -161,19 +179,16 @@ class Rewriter : public GraphPass {
 
   // Data consumers of the nodes a pattern can involve.
   void IndexConsumers() {
-    static const std::unordered_set<std::string> kOps = {
-        "Relu", "_FusedConv2D", "MaxPool", "MaxPoolV2", "MaxPoolGrad", "MaxPoolGradV2",
-        "Pad", "PadV2", "Slice"};
-    std::unordered_set<std::string_view> producers;  // names of nodes with an op of kOps
+    std::unordered_set<std::string_view> producers;  // names of nodes with a pattern op
     for (const NodeDef& n : g_->node())
-      if (kOps.count(n.op())) producers.insert(n.name());
+      if (IsPatternOp(n)) producers.insert(n.name());
     for (int i = 0; i < g_->node_size(); ++i) {
       const NodeDef& n = g_->node(i);
       for (int pos = 0; pos < n.input_size(); ++pos) {
         if (IsControl(n.input(pos)) || !producers.count(InputNode(n.input(pos)))) continue;
         Input in = ParseInput(n.input(pos));
         const int src = Find(in.node);
-        if (src < 0 || !kOps.count(node(src).op())) continue;
+        if (src < 0 || !IsPatternOp(node(src))) continue;
         if (in.index > 0) has_port_gt0_.insert(in.node);
         consumers_[in.node + ":" + std::to_string(in.index)].push_back({i, pos});
       }
@@ -390,13 +405,13 @@ class Rewriter : public GraphPass {
     }
     const NodeDef& relu = node(relu_i);
     bool fused_conv = false;
-    if (relu.op() == "_FusedConv2D") {
+    if (IsFusedConvRelu(relu)) {
       const AttrValue* ops = Attr(relu, "fused_ops");
       const int n_ops = ops == nullptr ? 0 : ops->list().s_size();
       if (n_ops == 0 || ops->list().s(n_ops - 1) != "Relu")
         return false;  // not a ReLU feeding the pool
       fused_conv = true;
-    } else if (relu.op() != "Relu") {
+    } else if (!IsRelu(relu)) {
       return false;  // not a ReLU + max pool pattern: nothing to say
     }
     // From here on it is a candidate: every refusal is counted and explained.
@@ -432,7 +447,7 @@ class Rewriter : public GraphPass {
         pool_grad_i = c.first;
         continue;
       }
-      if (n.op() == "ReluGrad" && c.second == 1 && relu_grad_i < 0) {
+      if (IsReluGrad(n) && c.second == 1 && relu_grad_i < 0) {
         relu_grad_i = c.first;  // checked below against the MaxPoolGrad
         continue;
       }

@@ -27,6 +27,7 @@
 #include "cc/grappler/fold_transposes.h"
 #include "cc/grappler/fuse_relu_max_pool.h"
 #include "cc/grappler/graph_util.h"
+#include "cc/grappler/patterns.h"
 #include "cc/grappler/state.h"
 #include "google/protobuf/arena.h"
 #include "tensorflow/c/experimental/grappler/grappler.h"
@@ -288,6 +289,13 @@ __attribute__((visibility("default"))) int tf_relupool_grappler_text(int which, 
   const std::string& s = which == 0 ? g_last_error : g_last_skip;
   if (size > 0) snprintf(buf, size, "%s", s.c_str());
   return static_cast<int>(s.size());
+}
+
+// The pattern table of patterns.h as text (PatternTable()); returns the full length.
+__attribute__((visibility("default"))) int tf_relupool_grappler_patterns(char* buf, int size) {
+  static const std::string table = PatternTable();
+  if (size > 0) snprintf(buf, size, "%s", table.c_str());
+  return static_cast<int>(table.size());
 }
 
 // The pass over a serialized GraphDef, outside Grappler: what tf_relupool.rewrite_graph runs.

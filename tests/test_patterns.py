@@ -1,0 +1,158 @@
+"""cc/grappler/patterns.h and tf_relupool/patterns.py: the one pattern table both fusers read.
+
+Every pattern of the table, built from stock ops with every op type of its roles, is fused by
+each fuser the table names for it, bitwise like stock: the Grappler pass (a training step, or the
+forward for forward-only patterns, in a fresh process) and the trace-time fusion under XLA
+(keras_fusion, Keras' max_pool inside a jit-compiled function). A pattern or op added to the
+table without a builder here, or without a fuser that handles it, fails these tests.
+"""
+import itertools
+import textwrap
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tf_relupool
+from tf_relupool import keras_fusion, patterns
+
+from grappler_cases import require_optimizer, run_case
+
+# How each op type of the table is built from stock ops, applied to h (a 4-D NHWC float tensor);
+# shared by both fusers' cases (the Grappler case runs the same text in its subprocess).
+BUILDERS = """
+def build(op, h, w):
+    if op == "Relu":
+        return tf.nn.relu(h)
+    if op == "Pad":
+        return tf.pad(h, [[0, 0], [1, 1], [1, 1], [0, 0]])
+    if op == "PadV2":
+        return tf.raw_ops.PadV2(input=h, paddings=[[0, 0], [1, 0], [0, 1], [0, 0]],
+                                constant_values=tf.constant(0.0, h.dtype))
+    if op == "MaxPool":
+        return tf.nn.max_pool2d(h, 3, 2, "VALID")
+    if op == "MaxPoolV2":
+        return tf.raw_ops.MaxPoolV2(input=h, ksize=[1, 2, 2, 1], strides=[1, 2, 2, 1],
+                                    padding="SAME")
+    if op == "_FusedConv2D":   # conv + bias + relu: TF's remapper makes it one _FusedConv2D
+        return tf.nn.relu(tf.nn.bias_add(tf.nn.conv2d(h, w, 1, "SAME"), tf.ones([4]) * 0.1))
+    raise KeyError(op)
+"""
+exec(BUILDERS)  # defines build() here too  # noqa: S102
+
+
+def _cases(fuser):
+    """(pattern name, chain, ops: one op type per role, gradient) for every combination."""
+    out = []
+    for p in patterns.for_fuser(fuser):
+        roles = p.chain[1:] if fuser == "trace" else p.chain   # trace: Keras' max_pool is the pool
+        for ops in itertools.product(*(sorted(patterns.role_ops(r)) for r in roles)):
+            out.append((p.name, roles, ops, p.gradient))
+    return out
+
+
+def test_table_from_the_library_is_well_formed():
+    roles, table = patterns.table()
+    assert {"pool", "relu", "pad"} <= set(roles)
+    assert all(r.ops for r in roles.values())
+    names = [p.name for p in table]
+    assert len(names) == len(set(names))
+    for p in table:
+        assert p.fusers and set(p.chain) <= set(roles), p
+    # the trace-time fuser's patterns start at Keras' max_pool and end at a ReLU (keras_fusion)
+    for p in patterns.for_fuser("trace"):
+        assert p.chain[0] == "pool" and p.chain[-1] == "relu", p
+
+
+def test_table_parser_rejects_malformed_lines():
+    ok = "role\tpool\tMaxPool\t\nrole\trelu\tRelu\t\npattern\tp\tpool(relu(z))\tgrappler\tgradient\t\n"
+    roles, table = patterns.parse_table(ok)
+    assert table[0].chain == ("pool", "relu") and table[0].gradient
+    for bad in ("pattern\tp\tpool(relu(z))\tgrappler\tgradient\t\n",          # unknown roles
+                ok.replace("pool(relu(z))", "pool(relu(z)"),                 # unbalanced
+                ok.replace("grappler\t", "xla\t"),                            # unknown fuser
+                ok.replace("gradient\t", "both\t"),
+                "node\tx\n"):
+        with pytest.raises(ValueError):
+            patterns.parse_table(bad)
+    assert patterns.parse_chain("pool(pad(relu(z)))") == ("pool", "pad", "relu")
+    with pytest.raises(ValueError):
+        patterns.for_fuser("xla")
+
+
+@pytest.mark.parametrize("keep", ["argmax", "input"])
+def test_grappler_fuses_every_pattern_of_the_table(keep):
+    require_optimizer()
+    cases = _cases("grappler")
+    assert cases
+    r = run_case(BUILDERS + textwrap.dedent(f"""
+        out = {{}}
+        for name, roles, ops, gradient in {cases!r}:
+            def make():
+                w = tf.constant(np.random.default_rng(1).normal(0, 0.3, [3, 3, 3, 4]), tf.float32)
+                def chain(z):
+                    h = z
+                    for op in reversed(ops):
+                        h = build(op, h, w)
+                    return h
+                if not gradient:
+                    return chain
+                def step(z):
+                    with tf.GradientTape() as tape:
+                        tape.watch(z)
+                        loss = tf.reduce_sum(chain(z) ** 2)
+                    return loss, tape.gradient(loss, z)
+                return step
+            channels = 3 if "_FusedConv2D" in ops else 4
+            z = tf.constant(np.random.default_rng(2).normal(size=[2, 9, 9, channels]), tf.float32)
+            same, off_ops, on_ops, st = off_then_on(make, (z,), {keep!r})
+            out[name + ":" + ",".join(ops)] = dict(same=same, off=off_ops, on=on_ops, stats=st)
+        print(json.dumps(out))
+    """))
+    fwd, bwd = {"argmax": ("ReluMaxPoolWithWindowArgmax", "ReluMaxPoolGradFromWindowArgmax"),
+                "input": ("ReluMaxPool", "ReluMaxPoolGrad")}[keep]
+    for name, roles, ops, gradient in cases:
+        c = r[name + ":" + ",".join(ops)]
+        where = (name, ops, c["on"], c["stats"])
+        assert c["same"], where
+        pool = [op for role, op in zip(roles, ops) if role == "pool"][0]
+        assert pool in c["off"] and pool not in c["on"], where
+        if gradient:
+            assert bwd in c["on"] and c["stats"]["fused_with_grad"] == 1, where
+            assert fwd in c["on"], where
+        else:
+            assert c["stats"]["fused_forward_only"] == 1, where
+            assert "ReluMaxPool" in c["on"], where
+        assert c["stats"]["errors"] == 0, where
+
+
+def test_trace_time_fusion_fuses_every_trace_pattern_of_the_table():
+    cases = _cases("trace")
+    assert cases
+    w = tf.zeros([3, 3, 3, 4])
+    for name, roles, ops, gradient in cases:
+        def make():
+            @tf.function(jit_compile=True)
+            def step(z):
+                with tf.GradientTape() as tape:
+                    tape.watch(z)
+                    h = z
+                    for op in reversed(ops):
+                        h = build(op, h, w)
+                    y = keras.ops.max_pool(h, 2, 2, "valid")
+                    loss = tf.reduce_sum(y * y)
+                return y, tape.gradient(loss, z)
+            return step
+        z = tf.random.stateless_normal([2, 8, 8, 4], seed=[3, 4])
+        tf_relupool.disable_recompute()
+        ref = make()(z)
+        before = keras_fusion.stats()
+        with tf_relupool.recompute():
+            got = make()(z)
+        after = keras_fusion.stats()
+        assert after["fused"] == before["fused"] + 1, (name, ops)
+        assert (after["fused_through_pad"] - before["fused_through_pad"]) == ("pad" in roles)
+        for a, b in zip(got, ref):
+            np.testing.assert_array_equal(a.numpy().view(np.uint32), b.numpy().view(np.uint32),
+                                          err_msg=f"{name} {ops}")
