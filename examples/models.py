@@ -22,31 +22,28 @@ def _head(x, num_classes):
     return layers.Dense(num_classes, name="logits")(x)
 
 
-def simple_cnn(input_shape=INPUT_SHAPE, num_classes=NUM_CLASSES, filters=(64, 128, 256, 256)):
-    """One 3x3 conv (ReLU) per block, then a 2x2 max pool: the classic Keras CIFAR shape."""
+def _conv_pool_blocks(name, conv_names, input_shape, num_classes, filters):
+    """Blocks of 3x3 convs (ReLU), one per name in conv_names ("{}" is the block's number), then
+    a 2x2 max pool; the dense head."""
     inputs = keras.Input(input_shape, name="image")
     x = inputs
     for i, f in enumerate(filters, 1):
-        block = keras.Sequential([
-            layers.Conv2D(f, 3, padding="same", activation="relu", name=f"conv{i}"),
-            layers.MaxPooling2D(2, name=f"pool{i}"),
-        ], name=f"block{i}")
+        convs = [layers.Conv2D(f, 3, padding="same", activation="relu", name=c.format(i))
+                 for c in conv_names]
+        block = keras.Sequential(convs + [layers.MaxPooling2D(2, name=f"pool{i}")],
+                                 name=f"block{i}")
         x = block(x)
-    return keras.Model(inputs, _head(x, num_classes), name="simple_cnn")
+    return keras.Model(inputs, _head(x, num_classes), name=name)
+
+
+def simple_cnn(input_shape=INPUT_SHAPE, num_classes=NUM_CLASSES, filters=(64, 128, 256, 256)):
+    """One 3x3 conv (ReLU) per block, then a 2x2 max pool: the classic Keras CIFAR shape."""
+    return _conv_pool_blocks("simple_cnn", ("conv{}",), input_shape, num_classes, filters)
 
 
 def vgg(input_shape=INPUT_SHAPE, num_classes=NUM_CLASSES, filters=(64, 128, 256, 256)):
     """Two 3x3 convs (ReLU) per block, then a 2x2 max pool: VGG-style."""
-    inputs = keras.Input(input_shape, name="image")
-    x = inputs
-    for i, f in enumerate(filters, 1):
-        block = keras.Sequential([
-            layers.Conv2D(f, 3, padding="same", activation="relu", name=f"conv{i}a"),
-            layers.Conv2D(f, 3, padding="same", activation="relu", name=f"conv{i}b"),
-            layers.MaxPooling2D(2, name=f"pool{i}"),
-        ], name=f"block{i}")
-        x = block(x)
-    return keras.Model(inputs, _head(x, num_classes), name="vgg")
+    return _conv_pool_blocks("vgg", ("conv{}a", "conv{}b"), input_shape, num_classes, filters)
 
 
 def _residual_block(filters, stride, name, in_filters):
