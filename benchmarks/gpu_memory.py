@@ -56,7 +56,6 @@ Writes a Markdown table (--out FILE.md, or DIR/gpu_memory.md) and the raw number
 import argparse
 import concurrent.futures
 import datetime
-import glob
 import json
 import os
 import platform
@@ -67,45 +66,18 @@ import threading
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
-EXAMPLES = os.path.join(ROOT, "examples")
-for _path in (HERE, EXAMPLES):   # harness.py beside this script, examples/devices.py
-    if _path not in sys.path:
-        sys.path.insert(0, _path)
+if HERE not in sys.path:
+    sys.path.insert(0, HERE)
 
+# harness.py (beside this script) puts examples/ on sys.path. build_model, synthetic_batch and
+# _step are also gpu_check/xla_bitwise.py's, as gpu_memory's.
+from harness import (MIB, MODELS, ROOT, VARIANT_LABELS, VARIANTS, ReportError,  # noqa: E402
+                     build_model, classify_error, git_head, largest_fitting, leave,
+                     library_built, print_result, read_result, round_down, run_fresh, run_worker,
+                     search_start, start_tensorflow, synthetic_batch, tail, train_step as _step)
 import devices  # noqa: E402  (examples/devices.py; no TensorFlow import)
-from harness import (MIB, OOM_HINTS, classify_error, git_head, largest_fitting,  # noqa: E402,F401
-                     round_down, search_start, tail as _tail)
 
-# examples/models.py's CIFAR-10 models (32x32x3, 10 classes), then keras.applications models
-# at 224x224x3 with 1000 classes (weights=None), as users train them.
-MODELS = ("simple", "vgg", "resnet", "vgg16", "resnet50")
-APPLICATIONS = {"vgg16": "VGG16", "resnet50": "ResNet50"}
-# Each variant: the model (stock, or rewrite_model(keep=...)), the switch during its steps, how
-# it is compiled (jit_compile=False, or Keras' default "auto": XLA whenever a GPU is visible),
-# and whether its layers are built under keras.RematScope(mode="activations").
-VARIANTS = {
-    "stock": {"keep": None, "switch": None, "jit": False},
-    "argmax": {"keep": "argmax", "switch": None, "jit": False},
-    "input": {"keep": "input", "switch": None, "jit": False},
-    "switch": {"keep": None, "switch": "argmax", "jit": False},
-    "default": {"keep": None, "switch": None, "jit": "auto"},
-    "default-switch": {"keep": None, "switch": "argmax", "jit": "auto"},
-    "default-layer": {"keep": "argmax", "switch": None, "jit": "auto"},
-    "default-remat": {"keep": None, "switch": None, "jit": "auto", "remat": True},
-}
-VARIANT_LABELS = {"stock": "stock", "argmax": "fused argmax", "input": "fused input",
-                  "switch": "stock + enable_recompute()",
-                  "default": "stock, Keras default compile",
-                  "default-switch": "stock + enable_recompute(), Keras default compile",
-                  "default-layer": "rewrite_model (ReluMaxPool2D), Keras default compile",
-                  "default-remat": "keras.RematScope(activations), Keras default compile"}
-SWITCHED = {v: spec["switch"] for v, spec in VARIANTS.items() if spec["switch"]}
 CONFIG_ITEMS = ("layout-off", "remapper-off", "workspace-0", "autotune-off")
-
-
-class ReportError(RuntimeError):
-    """A worker failed in a way that makes the report meaningless (message for the user)."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -143,77 +115,10 @@ def parse_config(name):
 # Worker side: one TensorFlow process, configured before TensorFlow starts.
 # ---------------------------------------------------------------------------------------------
 def _start(args, memory_limit_mib=None):
-    settings = parse_config(args.config)
-    devices.prepare_environment(memory_limit_mib=memory_limit_mib,
-                                cudnn_workspace_mib=settings["cudnn_workspace_mib"],
-                                cudnn_autotune=settings["cudnn_autotune"])
-    try:
-        tf, dev = devices.setup(args.device,
-                                memory_limit_mib=memory_limit_mib if args.device != "cpu" else None,
-                                layout_optimizer=settings["layout_optimizer"],
-                                remapper=settings["remapper"],
-                                inter_op_threads=args.inter_op_threads)
-    except devices.DeviceError as e:
-        print(f"DEVICE_ERROR {e}", flush=True)
-        sys.exit(3)
-    return tf, dev
-
-
-def build_model(tf, model_name, variant, seed=0, policy=None):
-    """The Keras model `model_name` for `variant` (VARIANTS), compiled for training with SGD;
-    same initial weights for every variant. `policy`: a Keras dtype policy ("mixed_bfloat16")."""
-    import keras
-    import models
-    import tf_relupool
-
-    keras.utils.set_random_seed(seed)
-    if policy:
-        keras.config.set_dtype_policy(policy)
-    spec = VARIANTS[variant]
-    scope = keras.RematScope(mode="activations") if spec.get("remat") else _no_scope()
-    with scope:
-        if model_name in APPLICATIONS:
-            model = getattr(keras.applications, APPLICATIONS[model_name])(
-                weights=None, input_shape=(224, 224, 3), classes=1000)
-        else:
-            model = models.build(model_name)
-    if spec["keep"] is not None:
-        model = tf_relupool.rewrite_model(model, keep=spec["keep"])  # fused, whatever the switch
-    model.compile(optimizer=keras.optimizers.SGD(0.01),
-                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                  jit_compile=spec["jit"])
-    return model
-
-
-class _no_scope:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
-
-
-def synthetic_batch(tf, batch, seed=0, model=None):
-    """Images in [0, 1) and labels in [0, classes), created on the default device (GPU:0 if
-    any), shaped for `model` (CIFAR-10's 32x32x3 and 10 classes without one)."""
-    shape = tuple(model.input_shape[1:]) if model is not None else (32, 32, 3)
-    classes = int(model.output_shape[-1]) if model is not None else 10
-    x = tf.random.stateless_uniform((batch,) + shape, seed=[seed, batch])
-    y = tf.random.stateless_uniform((batch,), seed=[seed + 1, batch], minval=0, maxval=classes,
-                                    dtype=tf.int32)
-    return x, y
-
-
-def _step(model, x, y, variant="stock"):
-    """One training step; waits for it (numpy conversion). The switch is on during the steps of
-    a SWITCHED variant only: the Grappler pass reads it when TensorFlow optimizes a function
-    (its first call), so the other variants' functions stay stock."""
-    keep = SWITCHED.get(variant)
-    if keep is None:
-        return float(model.train_on_batch(x, y))
-    import tf_relupool
-    with tf_relupool.recompute(keep):
-        return float(model.train_on_batch(x, y))
+    """This worker's TensorFlow: --device, the Grappler configuration args.config, and for a
+    largest-batch trial the GPU's memory_limit."""
+    return start_tensorflow(args.device, memory_limit_mib=memory_limit_mib,
+                            inter_op_threads=args.inter_op_threads, **parse_config(args.config))
 
 
 def _library():
@@ -224,9 +129,9 @@ def _library():
         info = {"with_cuda": bool(getattr(b, "WITH_CUDA", False)),
                 "cuda_version": getattr(b, "CUDA_VERSION", None),
                 "path": os.path.dirname(tf_relupool.__file__)}
-        so = os.path.join(info["path"], "_relu_max_pool_ops.so")
-        if os.path.exists(so):
-            info["built"] = f"{datetime.datetime.fromtimestamp(os.path.getmtime(so)):%Y-%m-%d %H:%M}"
+        built = library_built()
+        if built:
+            info["built"] = built
         from tensorflow.python.framework import kernels
         tf_relupool.load_library()
         info["kernel_devices"] = sorted({k.device_type for k in kernels.get_registered_kernels_for_op(
@@ -234,13 +139,6 @@ def _library():
     except Exception as e:  # noqa: BLE001 - a description only
         info["error"] = f"{type(e).__name__}: {e}"
     return info
-
-
-def worker_probe(args):
-    """Which device TensorFlow would measure here."""
-    args.config = "default"
-    tf, dev = _start(args)
-    print("RESULT " + json.dumps(dev.as_dict()), flush=True)
 
 
 def worker_measure(args):
@@ -280,12 +178,12 @@ def worker_measure(args):
                 start = time.perf_counter()
                 _step(model, x, y, v)
                 times[v].append(time.perf_counter() - start)
-    print("RESULT " + json.dumps({
+    print_result({
         "device": dev.as_dict(), "peaks": peaks, "times": times, "jit_compile": jit,
         "resident_bytes": tf.config.experimental.get_memory_info(dev.name)["current"],
         "versions": {"tensorflow": tf.__version__, "keras": keras.__version__,
                      "python": platform.python_version()},
-        "library": _library()}), flush=True)
+        "library": _library()})
 
 
 def worker_trial(args):
@@ -316,7 +214,7 @@ def worker_trial(args):
         message = str(e).strip().splitlines()[0][:300] if str(e).strip() else ""
         result["status"] = classify_error(type(e).__name__, message)
         result["message"] = f"{type(e).__name__}: {message}"
-    print("RESULT " + json.dumps(result), flush=True)
+    print_result(result)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -333,72 +231,25 @@ def _worker_cmd(kind, args, model, config, extra=()):
     return cmd + list(extra)
 
 
-def _result_line(stdout):
-    lines = [l for l in stdout.splitlines() if l.startswith(("RESULT ", "DEVICE_ERROR "))]
-    return lines[-1] if lines else None
-
-
-def probe_device(device="auto", timeout=300):
-    """The device a worker measures here ({"kind", "name", "description", ...}), by asking
-    TensorFlow in a subprocess (so that this process never initialises TensorFlow)."""
-    cmd = [sys.executable, os.path.abspath(__file__), "--worker", "probe", "--device", device]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
-    line = _result_line(proc.stdout)
-    if line and line.startswith("DEVICE_ERROR "):
-        raise devices.DeviceError(line[len("DEVICE_ERROR "):])
-    if proc.returncode != 0 or not line:
-        raise ReportError(f"the device probe failed (exit {proc.returncode}): "
-                          f"{_tail(proc.stderr, 2000)}")
-    return json.loads(line[len("RESULT "):])
-
-
-def detect_device():
-    """"gpu" when TensorFlow sees a GPU here, else "cpu". Without NVIDIA device files TensorFlow
-    cannot see one, and TensorFlow is not started at all."""
-    if not glob.glob("/dev/nvidia[0-9]*"):
-        return "cpu"
-    return probe_device("auto")["kind"]
-
-
 def run_measure(args, model, config):
-    proc = subprocess.run(_worker_cmd("measure", args, model, config), capture_output=True,
-                          text=True, timeout=args.worker_timeout)
-    line = _result_line(proc.stdout)
-    if line and line.startswith("DEVICE_ERROR "):
-        raise devices.DeviceError(line[len("DEVICE_ERROR "):])
-    if proc.returncode != 0 or not line:
+    result, proc = run_worker(_worker_cmd("measure", args, model, config), args.worker_timeout)
+    if result is None:
         raise ReportError(f"the measuring process for {model} ({config}) failed with exit "
-                          f"status {proc.returncode}:\n{_tail(proc.stderr)}")
-    return json.loads(line[len("RESULT "):])
+                          f"status {proc.returncode}:\n{tail(proc.stderr)}")
+    return result
 
 
 def run_trial(args, model, config, variant, batch):
     """One fresh process: {"status": "fits"|"oom"|"error"|"crash"|"timeout", ...}."""
-    cmd = _worker_cmd("trial", args, model, config,
-                      ["--variant", variant, "--trial-batch", str(batch),
-                       "--trial-steps", str(args.trial_steps)])
-    env = dict(os.environ)
-    env.pop("TF_FORCE_GPU_ALLOW_GROWTH", None)  # a memory_limit process must not grow
-    env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # OOM dumps the allocator state at WARNING
-    start = time.time()
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, env=env,
-                              timeout=args.trial_timeout)
-    except subprocess.TimeoutExpired:
-        return {"batch": batch, "status": "timeout", "seconds": time.time() - start,
-                "message": f"no answer within {args.trial_timeout} s"}
-    line = _result_line(proc.stdout)
-    if line and line.startswith("DEVICE_ERROR "):
-        raise devices.DeviceError(line[len("DEVICE_ERROR "):])
-    if line and proc.returncode == 0:
-        result = json.loads(line[len("RESULT "):])
-    else:
-        err = _tail(proc.stderr, 4000)
-        last = [l for l in err.splitlines() if l.strip()][-1:] or [""]
-        status = "oom" if classify_error("", err) == "oom" else "crash"
-        result = {"batch": batch, "status": status,
-                  "message": f"exit status {proc.returncode}: {last[0][:300]}"}
-    result["seconds"] = round(time.time() - start, 1)
+    r = run_fresh(_worker_cmd("trial", args, model, config,
+                              ["--variant", variant, "--trial-batch", str(batch),
+                               "--trial-steps", str(args.trial_steps)]), args.trial_timeout)
+    result = read_result(r["stdout"])  # devices.DeviceError when the worker said DEVICE_ERROR
+    if r["status"] != "fits":  # the process failed: its exit says how
+        result = {"batch": batch, "status": r["status"], "message": r["message"]}
+    elif result is None:
+        result = {"batch": batch, "status": "crash", "message": "exit status 0 without an answer"}
+    result["seconds"] = r["seconds"]
     return result
 
 
@@ -653,7 +504,7 @@ def parse_args(argv=None, prog=None):
     p.add_argument("--out", default=None,
                    help="FILE.md, or a directory for gpu_memory.md (default benchmarks/results, "
                         "with --quick build/demo); the raw numbers go beside it as .json")
-    p.add_argument("--worker", choices=("probe", "measure", "trial"), help=argparse.SUPPRESS)
+    p.add_argument("--worker", choices=("measure", "trial"), help=argparse.SUPPRESS)
     p.add_argument("--variant", choices=tuple(VARIANTS), help=argparse.SUPPRESS)
     p.add_argument("--trial-batch", type=int, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -690,12 +541,8 @@ def parse_args(argv=None, prog=None):
 def main(argv=None, prog=None):
     args = parse_args(argv, prog)
     if args.worker:
-        {"probe": worker_probe, "measure": worker_measure, "trial": worker_trial}[args.worker](args)
-        # The answer is printed: leave without TensorFlow's teardown (after an out-of-memory
-        # error on a GPU it can take long, and nothing is left to clean up).
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
+        {"measure": worker_measure, "trial": worker_trial}[args.worker](args)
+        leave()
     name = prog or "gpu_memory.py"
     md_path, json_path = output_paths(args.out, os.path.join(ROOT, "build", "demo") if args.quick
                                       else os.path.join(HERE, "results"))

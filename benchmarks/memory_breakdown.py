@@ -30,9 +30,10 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 if HERE not in sys.path:
     sys.path.insert(0, HERE)
 
-import gpu_memory  # noqa: E402  (also puts examples/ on sys.path)
-
-MIB = 2.0 ** 20
+import gpu_memory  # noqa: E402  (its Grappler configurations and worker start)
+from harness import (MIB, MODELS, VARIANT_LABELS, VARIANTS, build_model,  # noqa: E402
+                     synthetic_batch, train_step)
+import devices  # noqa: E402  (examples/devices.py, on sys.path through harness)
 
 
 def memory_profile(xplane_path):
@@ -95,12 +96,12 @@ def profile_steps(args):
     """Profiles one step per variant; returns {variant: xplane path}."""
     args.inter_op_threads = 1
     tf, dev = gpu_memory._start(args)
-    x, y = gpu_memory.synthetic_batch(tf, args.batch)
+    x, y = synthetic_batch(tf, args.batch)
     paths = {}
     for v in args.variants:
-        model = gpu_memory.build_model(tf, args.model, v)
+        model = build_model(tf, args.model, v)
         for _ in range(args.warmup):
-            gpu_memory._step(model, x, y, v)
+            train_step(model, x, y, v)
         # "+" of joined configurations becomes "_": plain file names travel everywhere.
         name = (f"{args.model}-{args.config.replace('+', '_')}-{v}" +
                 ("-first-step" if args.warmup == 0 else ""))
@@ -108,7 +109,7 @@ def profile_steps(args):
         # Host tracing records the allocator's blocks; device (CUPTI) tracing is not needed.
         tf.profiler.experimental.start(logdir, options=tf.profiler.experimental.ProfilerOptions(
             host_tracer_level=2, python_tracer_level=0, device_tracer_level=0))
-        gpu_memory._step(model, x, y, v)
+        train_step(model, x, y, v)
         tf.profiler.experimental.stop()
         found = sorted(glob.glob(os.path.join(logdir, "**", "*.xplane.pb"), recursive=True))
         if not found:
@@ -133,8 +134,8 @@ def convert(paths, min_mib):
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--device", default="auto", choices=("auto", "cpu", "gpu"))
-    p.add_argument("--model", default="simple", choices=gpu_memory.MODELS)
+    p.add_argument("--device", default="auto", choices=devices.DEVICE_CHOICES)
+    p.add_argument("--model", default="simple", choices=MODELS)
     p.add_argument("--config", default="default", help="Grappler configuration (gpu_memory.py)")
     p.add_argument("--batch", type=int, default=1024)
     p.add_argument("--variants", default="stock,argmax,switch",
@@ -148,8 +149,8 @@ def parse_args(argv=None):
     p.add_argument("--out", default=None, help="also write the Markdown here")
     args = p.parse_args(argv)
     for v in args.variants:
-        if v not in gpu_memory.VARIANTS:
-            p.error(f"--variants: unknown variant {v!r} (known: {', '.join(gpu_memory.VARIANTS)})")
+        if v not in VARIANTS:
+            p.error(f"--variants: unknown variant {v!r} (known: {', '.join(VARIANTS)})")
     if args.batch < 1:
         p.error("--batch must be positive")
     if args.warmup < 0:
@@ -173,7 +174,7 @@ def main(argv=None):
         os.makedirs(args.keep, exist_ok=True)
         dev, paths = profile_steps(args)
         step = "first step" if args.warmup == 0 else f"step {args.warmup + 1}"
-        titles = {f"{args.model}, {args.config}, {gpu_memory.VARIANT_LABELS[v]}, batch "
+        titles = {f"{args.model}, {args.config}, {VARIANT_LABELS[v]}, batch "
                   f"{args.batch}, {step}, {dev.name}": path for v, path in paths.items()}
         text = convert(titles, args.min_mib)
         if text is None:

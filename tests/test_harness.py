@@ -1,7 +1,10 @@
-"""benchmarks/harness.py: the largest-batch search, out-of-memory classification, trial processes;
-and benchmarks/distributed_memory.py's arguments and table, which build on them."""
+"""benchmarks/harness.py: the largest-batch search, out-of-memory classification, trial processes,
+the worker protocol and the device probe; and benchmarks/distributed_memory.py's arguments and
+table, which build on them."""
+import glob
 import importlib.util
 import os
+import re
 import sys
 
 import pytest
@@ -49,6 +52,24 @@ def test_largest_batch_search_finds_known_boundaries():
         harness.largest_fitting(lambda b: True, 64, 0)
 
 
+def test_bracket_and_bisect_follows_its_policy():
+    """The search skeleton with another policy (memory_report's: up by a quarter, down by a
+    fifth, halving to a relative width): the boundary to within the width, nothing fits: 0."""
+    def search(boundary, start):
+        tried = []
+        best, seen = harness.bracket_and_bisect(
+            lambda b: tried.append(b) or b <= boundary, start, up=lambda lo: int(lo * 1.25) + 1,
+            down=lambda hi: int(hi * 0.8) or None, middle=lambda lo, hi: (lo + hi) // 2,
+            narrow=lambda lo, hi: hi - lo <= max(1, int(lo * 0.1)))
+        assert len(tried) == len(set(tried)) == len(seen), tried
+        return best
+    for boundary in (1, 37, 100, 1000):
+        for start in (1, 50, 2000):
+            best = search(boundary, start)
+            assert best <= boundary and boundary - best <= max(1, int(best * 0.1)), best
+    assert search(0, 50) == 0
+
+
 def test_search_start_scales_the_measured_peak_to_the_limit():
     # 877 MiB at batch 1024 under a 2048 MiB limit: 90% of the limit at 2151 -> 2112, step 256.
     start, step = harness.search_start({1024: 877 * MIB}, 2048, 64, 1024)
@@ -77,6 +98,38 @@ def test_run_fresh_reads_status_from_the_exit(tmp_path):
     assert slow["status"] == "timeout"
     env = harness.trial_env({"TF_FORCE_GPU_ALLOW_GROWTH": "true", "A": "1"})
     assert "TF_FORCE_GPU_ALLOW_GROWTH" not in env and env["A"] == "1"
+
+
+def test_worker_protocol(tmp_path):
+    """A worker's answer is its last RESULT line; DEVICE_ERROR raises the device error; a worker
+    that fails or prints no answer gives None, and its process for the caller's message."""
+    assert harness.read_result('noise\nRESULT {"a": 1}\nRESULT [2]\nmore\n') == [2]
+    assert harness.read_result("no answer\n") is None
+    with pytest.raises(harness.devices.DeviceError, match="no GPU"):
+        harness.read_result('RESULT {}\nDEVICE_ERROR no GPU visible\n')
+    answer, proc = harness.run_worker([sys.executable, "-c", f"import sys; sys.path.insert(0, "
+                                       f"{BENCHMARKS!r}); import harness; "
+                                       "harness.print_result({'x': [1, 2]})"], timeout=60)
+    assert answer == {"x": [1, 2]} and proc.returncode == 0
+    for code in ("import sys; print('RESULT {}'); sys.exit(1)", "print('nothing')"):
+        answer, proc = harness.run_worker([sys.executable, "-c", code], timeout=60)
+        assert answer is None, code
+
+
+@pytest.mark.skipif(bool(glob.glob("/dev/nvidia[0-9]*")), reason="a machine without a GPU")
+def test_device_probe_without_a_gpu():
+    """No NVIDIA device files: detect_device says cpu without starting TensorFlow; the probe's
+    subprocess names the CPU, and --device gpu is a DeviceError there."""
+    assert harness.detect_device() == "cpu"
+    dev = harness.probe_device("cpu")
+    assert dev["kind"] == "cpu" and dev["name"] == "CPU:0", dev
+    with pytest.raises(harness.devices.DeviceError, match="no GPU visible"):
+        harness.probe_device("gpu")
+
+
+def test_library_built_names_the_op_library():
+    built = harness.library_built()
+    assert built is None or re.fullmatch(r"\d{4}-\d\d-\d\d \d\d:\d\d", built), built
 
 
 def test_distributed_memory_arguments_are_checked():
