@@ -35,36 +35,35 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
-sys.path.insert(0, os.path.join(ROOT, "examples"))
 if HERE not in sys.path:
-    sys.path.insert(0, HERE)  # gpu_memory.py, the GPU report
+    sys.path.insert(0, HERE)  # harness.py, and gpu_memory.py, the GPU report
+
+from harness import (MIB, ROOT, ReportError, bracket_and_bisect, detect_device,  # noqa: E402
+                     git_head, library_built, print_result, run_worker, tail)
+import devices  # noqa: E402  (examples/devices.py, on sys.path through harness)
 
 MODELS = ("simple", "vgg", "resnet")  # examples/models.py
-DEVICE_CHOICES = ("auto", "cpu", "gpu")
 VARIANTS = ("stock", "recompute_grad", "fused argmax", "fused input")
-MIB = 2.0 ** 20
 
 
 # ---------------------------------------------------------------------------------------------
 # Worker side: runs in a subprocess, TensorFlow configured before it starts.
 # ---------------------------------------------------------------------------------------------
 def _setup_tf(deterministic_memory):
-    os.environ["TF_CPU_ALLOCATOR_USE_BFC"] = "true"  # allocator stats on CPU; before TF starts
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    import tensorflow as tf
-    tf.config.set_visible_devices([], "GPU")  # the CPU report measures the CPU, GPU or not
+    """TensorFlow on the CPU (the CPU report measures the CPU, GPU or not), with allocator
+    statistics; (tf, devices.Device)."""
+    os.environ["TF_CPU_ALLOCATOR_USE_BFC"] = "true"  # whatever the environment says
+    devices.prepare_environment()
+    tf, dev = devices.setup("cpu", inter_op_threads=1 if deterministic_memory else None)
     if deterministic_memory:
-        tf.config.threading.set_inter_op_parallelism_threads(1)
         intra = int(os.environ.get("MEMORY_REPORT_INTRA_OP", "0"))
         if intra:
             tf.config.threading.set_intra_op_parallelism_threads(intra)
-    return tf
+    return tf, dev
 
 
 def build_steps(tf, model_name, seed=0, variants=VARIANTS):
@@ -126,7 +125,7 @@ def _run(tf, step, keep, x, y):
         return float(step(x, y).numpy())
 
 
-def measure_peak(tf, step, keep, batch, reps):
+def measure_peak(tf, meter, step, keep, batch, reps):
     """The step's peak bytes above resident, for `reps` steps after a warm-up (a list).
 
     Even with inter- and intra-op parallelism 1 the peak varies from step to step here (by up
@@ -137,10 +136,9 @@ def measure_peak(tf, step, keep, batch, reps):
     _run(tf, step, keep, x, y)
     peaks = []
     for _ in range(reps):
-        tf.config.experimental.reset_memory_stats("CPU:0")
-        before = tf.config.experimental.get_memory_info("CPU:0")["current"]
+        meter.begin()
         _run(tf, step, keep, x, y)
-        peaks.append(tf.config.experimental.get_memory_info("CPU:0")["peak"] - before)
+        peaks.append(meter.end())
     del x, y
     return sorted(peaks)
 
@@ -148,34 +146,17 @@ def measure_peak(tf, step, keep, batch, reps):
 def largest_batch(peak_of, cap, guess, tolerance):
     """Largest batch b with peak_of(b) <= cap, by bracketing then bisection on measured peaks.
 
-    Peaks grow about linearly with the batch size; the search trusts only measurements.
-    Stops when the bracket is narrower than `tolerance` (a fraction of the lower end)."""
-    b = max(1, int(guess))
-    if peak_of(b) <= cap:
-        lo, hi = b, None
-        while hi is None:
-            b = int(lo * 1.25) + 1
-            if peak_of(b) <= cap:
-                lo = b
-            else:
-                hi = b
-    else:
-        lo, hi = None, b
-        while lo is None:
-            b = int(hi * 0.8)
-            if b < 1:
-                return 0
-            if peak_of(b) <= cap:
-                lo = b
-            else:
-                hi = b
-    while hi - lo > max(1, int(lo * tolerance)):
-        mid = (lo + hi) // 2
-        if peak_of(mid) <= cap:
-            lo = mid
-        else:
-            hi = mid
-    return lo
+    Peaks grow about linearly with the batch size; the search trusts only measurements: up by
+    a quarter, down by a fifth until the boundary is bracketed, then halving the bracket until it
+    is narrower than `tolerance` (a fraction of the lower end)."""
+    def down(hi):
+        return int(hi * 0.8) or None  # None below batch 1: nothing fits
+
+    largest, _ = bracket_and_bisect(lambda b: peak_of(b) <= cap, max(1, int(guess)),
+                                    up=lambda lo: int(lo * 1.25) + 1, down=down,
+                                    middle=lambda lo, hi: (lo + hi) // 2,
+                                    narrow=lambda lo, hi: hi - lo <= max(1, int(lo * tolerance)))
+    return largest
 
 
 def last_fitting_batch(peaks, cap):
@@ -198,13 +179,14 @@ def last_fitting_batch(peaks, cap):
 def worker_peaks(args):
     """One variant's peaks, in a process of its own: the allocator's free chunks, and with them
     its internal fragmentation, then depend on that variant's own steps only."""
-    tf = _setup_tf(deterministic_memory=True)
+    tf, dev = _setup_tf(deterministic_memory=True)
+    meter = devices.StepMemory(tf, dev)
     step, keep = build_steps(tf, args.model, variants=[args.variant])[args.variant]
     cache = {}
 
     def peak_of(batch):
         if batch not in cache:
-            cache[batch] = measure_peak(tf, step, keep, batch, args.reps)
+            cache[batch] = measure_peak(tf, meter, step, keep, batch, args.reps)
         return statistics.median(cache[batch])
 
     result = {"peaks": {b: peak_of(b) for b in args.batch_sizes}}
@@ -219,7 +201,7 @@ def worker_peaks(args):
         result["largest"] = last_fitting_batch(result["all_peaks"], cap)
     result["spread"] = ([min(cache[args.cap_batch]), max(cache[args.cap_batch])]
                         if args.cap_batch in cache else None)
-    print("RESULT " + json.dumps(result))
+    print_result(result)
 
 
 def peaks_of_model(model, args):
@@ -239,7 +221,7 @@ def peaks_of_model(model, args):
 
 
 def worker_times(args):
-    tf = _setup_tf(deterministic_memory=False)
+    tf, _ = _setup_tf(deterministic_memory=False)
     steps = build_steps(tf, args.model)
     x, y = _batch(tf, args.time_batch)
     for step, keep in steps.values():
@@ -252,7 +234,7 @@ def worker_times(args):
             start = time.perf_counter()
             _run(tf, step, keep, x, y)
             times[variant].append(time.perf_counter() - start)
-    print("RESULT " + json.dumps({v: statistics.median(t) for v, t in times.items()}))
+    print_result({v: statistics.median(t) for v, t in times.items()})
 
 
 # ---------------------------------------------------------------------------------------------
@@ -269,35 +251,27 @@ def _worker(kind, model, args, variant=None, cap_bytes=None):
         cmd += ["--variant", variant]
     if cap_bytes is not None:
         cmd += ["--cap-bytes", str(cap_bytes)]
-    proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
-    if proc.returncode != 0 or not lines:
-        sys.stderr.write(proc.stderr[-4000:])
+    result, proc = run_worker(cmd)
+    if result is None:
+        sys.stderr.write(tail(proc.stderr, 4000))
         raise SystemExit(f"memory_report: the {kind} worker for {model}"
                          f"{f' ({variant})' if variant else ''} failed "
                          f"(exit {proc.returncode})")
-    return json.loads(lines[-1][len("RESULT "):])
+    return result
 
 
 def _machine():
-    import devices  # examples/devices.py: no TensorFlow import
     return f"{devices.cpu_description()}, {platform.system()} {platform.release()}"
 
 
 def _library_info():
     """Which op library the workers load: its file's modification time and the checkout's HEAD."""
-    import importlib.util
-    spec = importlib.util.find_spec("tf_relupool")
     info = {}
-    if spec and spec.origin:
-        so = os.path.join(os.path.dirname(spec.origin), "_relu_max_pool_ops.so")
-        if os.path.exists(so):
-            info["op_library_built"] = f"{datetime.datetime.fromtimestamp(os.path.getmtime(so)):%Y-%m-%d %H:%M}"
-    try:
-        info["git_head"] = subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"],
-                                          capture_output=True, text=True).stdout.strip()
-    except OSError:
-        pass
+    built, head = library_built(), git_head()
+    if built:
+        info["op_library_built"] = built
+    if head:
+        info["git_head"] = head
     return info
 
 
@@ -380,7 +354,7 @@ def parse_args(argv=None):
                                 epilog="With --device gpu (or auto on a machine where TensorFlow "
                                        "sees a GPU) benchmarks/gpu_memory.py's options apply "
                                        "instead: see gpu_memory.py --help.")
-    p.add_argument("--device", choices=DEVICE_CHOICES, default="auto",
+    p.add_argument("--device", choices=devices.DEVICE_CHOICES, default="auto",
                    help="auto (default): the GPU when TensorFlow sees one, else the CPU; the "
                         "GPU report is benchmarks/gpu_memory.py's")
     p.add_argument("--quick", action="store_true",
@@ -430,15 +404,14 @@ def _device(argv):
     """"cpu" or "gpu": --device, or for auto the device TensorFlow would use (asked only when
     the machine has NVIDIA device files). Exits with a one-line error when that fails."""
     pre = argparse.ArgumentParser(add_help=False)
-    pre.add_argument("--device", choices=DEVICE_CHOICES, default="auto")
+    pre.add_argument("--device", choices=devices.DEVICE_CHOICES, default="auto")
     pre.add_argument("--worker")
     known, _ = pre.parse_known_args(argv)
     if known.worker or known.device != "auto" or {"-h", "--help"} & set(argv):
         return known.device if known.device != "auto" else "cpu"
-    import gpu_memory
     try:
-        return gpu_memory.detect_device()
-    except (gpu_memory.ReportError, gpu_memory.devices.DeviceError) as e:
+        return detect_device()
+    except (ReportError, devices.DeviceError) as e:
         raise SystemExit(f"memory_report.py: error: cannot tell which device TensorFlow uses "
                          f"here (pass --device cpu or gpu): {e}")
 
