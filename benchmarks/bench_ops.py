@@ -27,19 +27,22 @@ including any host round trip an op forces.
 import argparse
 import ctypes
 import datetime
+import functools
 import os
-import platform
 import statistics
 import subprocess
 import sys
 import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                "examples"))
 
-import numpy as np
-import tensorflow as tf
+import devices  # noqa: E402  (examples/devices.py: the CPU's description)
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
 
-import tf_relupool
+import tf_relupool  # noqa: E402
 
 # The last: small planes (7 output columns in NCHW, fewer than a vector of AVX2 or AVX-512).
 FULL_SHAPES = [(256, 32, 32, 64), (64, 56, 56, 64), (64, 112, 112, 64), (256, 14, 14, 128)]
@@ -104,45 +107,28 @@ def time_variants_gpu(fns, zs, dys, rounds, iters, warmup=2):
 
 
 def time_variants(fns, z, dy, rounds, mode, warmup=2):
+    """time_ops of each fn(z, dy), in a tf.function (mode "function") or eagerly."""
     # The copy baseline always runs eagerly: Grappler would fold `z * 1` away inside a function.
     compiled = {name: tf.function(fn) if mode == "function" and name != "copy" else fn
                 for name, fn in fns.items()}
-    times = {name: [] for name in fns}
-    for name, fn in compiled.items():
-        for _ in range(warmup):
-            fn(z, dy)  # trace and warm caches
-    for _ in range(rounds):
-        for name, fn in compiled.items():  # interleaved: machine noise hits all variants alike
-            # CPU ops run synchronously: the call returns when the result is computed. (No
-            # .numpy(): copying a 64 MiB result out would cost more than the ops themselves.)
-            start = time.perf_counter()
-            fn(z, dy)
-            times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(t) * 1e3 for name, t in times.items()}
+    return time_ops({name: functools.partial(fn, z, dy) for name, fn in compiled.items()},
+                    rounds, warmup)
 
 
-def report_row(shape, dtype, mode, t):
+def report_row(shape, dtype, mode, t, forward=("fwd fused",)):
+    """One row of a stock-vs-fused table: times in ms, fused ones also in copies of z and as a
+    speedup over stock; `forward`: the fused forward variants shown."""
     c = t["copy"]
     digits = 3 if c < 1 else 2
     f = lambda v: f"{v:.{digits}f}"  # noqa: E731
-    cells = [f"{'x'.join(map(str, shape))}", dtype.name, mode, f(c), f(t['fwd stock']),
-             f"{f(t['fwd fused'])} ({t['fwd fused'] / c:.2f})",
-             f"**{t['fwd stock'] / t['fwd fused']:.2f}x**", f(t['fwd+bwd stock'])]
+    cells = [f"{'x'.join(map(str, shape))}", dtype.name, mode, f(c), f(t["fwd stock"])]
+    for name in forward:
+        cells += [f"{f(t[name])} ({t[name] / c:.2f})", f"**{t['fwd stock'] / t[name]:.2f}x**"]
+    cells.append(f(t["fwd+bwd stock"]))
     for keep in ("input", "argmax"):
         fused = t[f"fwd+bwd fused keep={keep}"]
         cells += [f"{f(fused)} ({fused / c:.2f})", f"**{t['fwd+bwd stock'] / fused:.2f}x**"]
     print("| " + " | ".join(cells) + " |", flush=True)
-
-
-def cpu_model():
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def cpu_isa():
@@ -153,20 +139,6 @@ def cpu_isa():
         return "baseline (a library without run-time dispatch)"
     lib.tf_relupool_cpu_isa.restype = ctypes.c_char_p
     return lib.tf_relupool_cpu_isa().decode()
-
-
-def report_row_cpu(shape, dtype, mode, t):
-    c = t["copy"]
-    digits = 3 if c < 1 else 2
-    f = lambda v: f"{v:.{digits}f}"  # noqa: E731
-    cells = [f"{'x'.join(map(str, shape))}", dtype.name, mode, f(c), f(t["fwd stock"])]
-    for name in ("fwd fused", "fwd fused+argmax"):
-        cells += [f"{f(t[name])} ({t[name] / c:.2f})", f"**{t['fwd stock'] / t[name]:.2f}x**"]
-    cells.append(f(t["fwd+bwd stock"]))
-    for keep in ("input", "argmax"):
-        fused = t[f"fwd+bwd fused keep={keep}"]
-        cells += [f"{f(fused)} ({fused / c:.2f})", f"**{t['fwd+bwd stock'] / fused:.2f}x**"]
-    print("| " + " | ".join(cells) + " |", flush=True)
 
 
 def op_variants(z, dy, data_format):
@@ -196,12 +168,16 @@ def op_floors(dtype):
 
 
 def time_ops(fns, rounds, warmup=2):
+    """Median ms of each call fns[name]() after `warmup` calls (trace, warm caches), over
+    `rounds` rounds in which every variant runs once: machine noise hits all alike."""
     times = {name: [] for name in fns}
     for fn in fns.values():
         for _ in range(warmup):
             fn()
     for _ in range(rounds):
         for name, fn in fns.items():
+            # CPU ops run synchronously: the call returns when the result is computed. (No
+            # .numpy(): copying a 64 MiB result out would cost more than the ops themselves.)
             start = time.perf_counter()
             fn()
             times[name].append(time.perf_counter() - start)
@@ -280,7 +256,7 @@ def main():
                    f" (TF_ENABLE_ONEDNN_OPTS={onednn_env if onednn_env is not None else 'unset'})")
     threads = tf.config.threading.get_intra_op_parallelism_threads() or os.cpu_count()
     print(f"# fused ReLU+max-pool vs stock TensorFlow {tf.__version__} on the CPU, 2x2 stride 2 VALID")
-    print(f"# {datetime.date.today()}, {cpu_model()}, {os.cpu_count()} cores, {onednn_text}, "
+    print(f"# {datetime.date.today()}, {devices.cpu_description()}, {onednn_text}, "
           f"tf_relupool CPU path {cpu_isa()}, {threads} intra-op threads, median of {rounds} "
           f"interleaved rounds, times in ms, (x copy) = time / time of z * 1")
     rng = np.random.default_rng(0)
@@ -301,8 +277,9 @@ def main():
             for dtype in dtypes:
                 z, dy = data[shape, dtype]
                 for mode in modes:
-                    report_row_cpu(shape, dtype, mode,
-                                   time_variants(variants(2, 2, "VALID"), z, dy, rounds, mode))
+                    report_row(shape, dtype, mode,
+                               time_variants(variants(2, 2, "VALID"), z, dy, rounds, mode),
+                               forward=("fwd fused", "fwd fused+argmax"))
     if "ops" in tables:
         print()
         print("The fused ops alone (eager): time in ms (**x copy** / floor: the bytes the op must "

@@ -3,8 +3,8 @@
 Runs one raw tf.function training step (conv -> tf.nn.relu -> tf.nn.max_pool2d, twice, then a
 dense head; GradientTape; SGD update) with the switch off and on, from the same weights and
 data, and prints:
-  - the op types of the graph TensorFlow actually ran (RunMetadata's post-optimization
-    function graph, from context.enable_graph_collection()),
+  - the op types of the graph TensorFlow actually ran (tf_relupool.grappler.executed_ops: the
+    partition graphs of RunMetadata, from context.enable_graph_collection()),
   - the pass's own counters (tf_relupool.grappler.stats()),
   - whether loss, gradients and updated weights are bitwise equal,
   - peak allocator bytes of one step (BFC allocator on the CPU), and the step time.
@@ -14,14 +14,17 @@ data, and prints:
 """
 import argparse
 import os
+import sys
 import time
 
-os.environ.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "true")
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                "examples"))
+import devices  # noqa: E402  (examples/devices.py: the step memory meter)
+
+devices.prepare_environment()  # TF_CPU_ALLOCATOR_USE_BFC=true unless set: CPU allocator stats
 
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
-from tensorflow.python.eager import context  # noqa: E402
 
 import tf_relupool  # noqa: E402
 from tf_relupool import grappler  # noqa: E402
@@ -88,27 +91,9 @@ def keras_model(batch, seed=0):
     return weights, step, (x, y)
 
 
-def executed_op_types(fn, args):
-    """Op types of the post-optimization graph TensorFlow ran for one call of `fn`."""
-    ctx = context.context()
-    ctx.enable_graph_collection()
-    try:
-        fn(*args)
-        meta = ctx.export_run_metadata()
-    finally:
-        ctx.disable_graph_collection()
-    types = {}
-    for fg in meta.function_graphs:
-        # partition_graphs: what the executor ran (after Grappler and the later passes, e.g.
-        # oneDNN's rewrite of _FusedConv2D to _MklNativeFusedConv2D)
-        for g in fg.partition_graphs:
-            for n in g.node:
-                types[n.op] = types.get(n.op, 0) + 1
-    return types
-
-
 def run(keep, model, batch, repeats, device="CPU"):
     mem = f"{device}:0"
+    meter = devices.StepMemory(tf, devices.Device(device.lower(), device))
     results = {}
     for label, mode in (("switch off", None), (f"switch on ({keep})", keep)):
         with tf.device(mem):
@@ -126,14 +111,15 @@ def run(keep, model, batch, repeats, device="CPU"):
         grappler.reset_stats()
         fn = tf.function(step)
         initial = [w.numpy() for w in weights]
-        types = executed_op_types(fn, args)  # first call: trace, optimize (the pass), run
+        # First call: trace, optimize (the pass), run. What the executor ran: after Grappler
+        # and the later passes, e.g. oneDNN's rewrite of _FusedConv2D to _MklNativeFusedConv2D.
+        _, types = grappler.executed_ops(fn, *args)
         st = grappler.stats()
         for w, w0 in zip(weights, initial):  # same start for the measured step
             w.assign(w0)
-        tf.config.experimental.reset_memory_stats(mem)
-        before = tf.config.experimental.get_memory_info(mem)["current"]
+        meter.begin()
         loss, grads = fn(*args)
-        peak = tf.config.experimental.get_memory_info(mem)["peak"] - before
+        peak = meter.end()
         values = [loss.numpy()] + [g.numpy() for g in grads] + [w.numpy() for w in weights]
         times = []
         for _ in range(repeats):

@@ -11,29 +11,24 @@ import os
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
-from tensorflow.python.eager import context  # noqa: E402
 
 import tf_relupool  # noqa: E402
 from tf_relupool import grappler  # noqa: E402
 
+import harness  # noqa: E402  (beside this script: the models and variants of gpu_memory.py)
+
 
 def ops_of(fn, *args):
-    ctx = context.context()
-    ctx.enable_graph_collection()
-    try:
-        out = fn(*args)
-        meta = ctx.export_run_metadata()
-    finally:
-        ctx.disable_graph_collection()
+    """fn's result and the pooling, ReLU, Transpose and convolution ops TensorFlow executed
+    for it: {op@device (/data_format): count}."""
+    out, nodes = grappler.executed_nodes(fn, *args)
     ops = {}
-    for fg in meta.function_graphs:
-        for g in fg.partition_graphs:
-            for n in g.node:
-                if "Pool" in n.op or "Relu" in n.op or "Transpose" in n.op or "Conv" in n.op:
-                    key = f"{n.op}@{n.device.rsplit('device:', 1)[-1]}"
-                    if n.op in ("MaxPool", "ReluMaxPool", "ReluMaxPoolWithWindowArgmax"):
-                        key += "/" + n.attr["data_format"].s.decode()
-                    ops[key] = ops.get(key, 0) + 1
+    for n in nodes:
+        if "Pool" in n.op or "Relu" in n.op or "Transpose" in n.op or "Conv" in n.op:
+            key = f"{n.op}@{n.device.rsplit('device:', 1)[-1]}"
+            if n.op in ("MaxPool", "ReluMaxPool", "ReluMaxPoolWithWindowArgmax"):
+                key += "/" + n.attr["data_format"].s.decode()
+            ops[key] = ops.get(key, 0) + 1
     return out, ops
 
 
@@ -120,41 +115,25 @@ def models_section(model_names=("simple", "vgg"), policies=("float32", "mixed_bf
     executed graph's facts and whether the losses and weights equal stock's bitwise."""
     import hashlib
     tf.config.experimental.enable_op_determinism()
-    import sys
     import keras
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                                    "examples"))
-    import models
-    x = tf.random.stateless_uniform((batch, 32, 32, 3), seed=[0, 1])
-    y = tf.random.stateless_uniform((batch,), seed=[2, 3], maxval=10, dtype=tf.int32)
+    x, y = harness.synthetic_batch(tf, batch, seeds=([0, 1], [2, 3]))
     for policy in policies:
         keras.mixed_precision.set_global_policy(policy)
         for name in model_names:
             runs = {}
-            for variant in ("stock", "switch", "explicit"):
-                keras.utils.set_random_seed(0)
-                m = models.build(name)
-                if variant == "explicit":
-                    m = tf_relupool.rewrite_model(m, keep="argmax")
-                m.compile(keras.optimizers.SGD(0.01),
-                          keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                          jit_compile=False)
+            # The model of each: harness's (gpu_memory.py's) stock, switch and fused argmax.
+            for variant, built in (("stock", "stock"), ("switch", "switch"),
+                                   ("explicit", "argmax")):
+                m = harness.build_model(tf, name, built)
                 if variant == "switch":
                     tf_relupool.enable_recompute("argmax")
                 else:
                     tf_relupool.disable_recompute()
                 grappler.reset_stats()
-                ctx = context.context()
-                ctx.enable_graph_collection()
-                try:
-                    losses = [float(m.train_on_batch(x, y))]
-                    meta = ctx.export_run_metadata()
-                finally:
-                    ctx.disable_graph_collection()
+                first, nodes = grappler.executed_nodes(m.train_on_batch, x, y)
+                losses = [float(first)]
                 losses += [float(m.train_on_batch(x, y)) for _ in range(steps - 1)]
                 tf_relupool.disable_recompute()
-                nodes = [n for fg in meta.function_graphs for g in fg.partition_graphs
-                         for n in g.node]
                 digest = hashlib.sha256(b"".join(w.tobytes() for w in m.get_weights()))
                 st = grappler.stats()
                 runs[variant] = dict(losses=losses, weights=digest.hexdigest()[:16],

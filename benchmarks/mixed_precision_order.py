@@ -13,12 +13,11 @@ imported, the effect is TensorFlow's (cuDNN autotuning picks per process), not t
     python benchmarks/mixed_precision_order.py [--model simple] [--batch 256] [--steps 3]
 """
 import argparse
-import json
 import os
-import subprocess
 import sys
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+import harness  # beside this script: the models, the worker protocol (no TensorFlow import)
+
 SCENARIOS = {
     "no-library": (["stock", "stock"], False),
     "stock-first": (["stock", "fused", "stock", "fused"], False),
@@ -32,32 +31,24 @@ def worker(args):
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     import tensorflow as tf
     import keras
-    sys.path.insert(0, os.path.join(os.path.dirname(HERE), "examples"))
-    import models
     if deterministic:
         tf.config.experimental.enable_op_determinism()
     keras.mixed_precision.set_global_policy(args.policy)
-    x = tf.random.stateless_uniform((args.batch, 32, 32, 3), seed=[0, 1])
-    y = tf.random.stateless_uniform((args.batch,), seed=[2, 3], maxval=10, dtype=tf.int32)
+    x, y = harness.synthetic_batch(tf, args.batch, seeds=([0, 1], [2, 3]))
     gpu = bool(tf.config.list_physical_devices("GPU"))
     runs = []
     for variant in order:
-        keras.utils.set_random_seed(0)
-        m = models.build(args.model)
-        if variant == "fused":
-            import tf_relupool
-            m = tf_relupool.rewrite_model(m, keep="argmax")
-        m.compile(keras.optimizers.SGD(0.01),
-                  keras.losses.SparseCategoricalCrossentropy(from_logits=True), jit_compile=False)
+        # stock, or fused: harness's fused argmax (tf_relupool is imported for it only)
+        m = harness.build_model(tf, args.model, "argmax" if variant == "fused" else "stock")
         losses, peaks = [], []
         for _ in range(args.steps):
             if gpu:
                 tf.config.experimental.reset_memory_stats("GPU:0")
-            losses.append(float(m.train_on_batch(x, y)))
+            losses.append(harness.train_step(m, x, y))
             if gpu:
-                peaks.append(tf.config.experimental.get_memory_info("GPU:0")["peak"] / 2**20)
+                peaks.append(tf.config.experimental.get_memory_info("GPU:0")["peak"] / harness.MIB)
         runs.append(dict(variant=variant, losses=losses, peak_mib=peaks))
-    print("RESULT " + json.dumps(runs), flush=True)
+    harness.print_result(runs)
 
 
 def main():
@@ -73,15 +64,13 @@ def main():
     print(f"{args.model}, {args.policy}, batch {args.batch}, {args.steps} SGD steps from the same "
           "weights; losses and GPU:0 peak (MiB) per step")
     for name in SCENARIOS:
-        proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--scenario", name,
-                               "--model", args.model, "--policy", args.policy,
-                               "--batch", str(args.batch), "--steps", str(args.steps)],
-                              capture_output=True, text=True, timeout=600)
-        lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-        if proc.returncode != 0 or not lines:
+        runs, proc = harness.run_worker(
+            [sys.executable, os.path.abspath(__file__), "--scenario", name, "--model", args.model,
+             "--policy", args.policy, "--batch", str(args.batch), "--steps", str(args.steps)],
+            timeout=600)
+        if runs is None:
             print(f"{name}: failed (rc {proc.returncode}): {proc.stderr[-1500:]}")
             continue
-        runs = json.loads(lines[-1][7:])
         first = {}
         for i, r in enumerate(runs):
             same = first.setdefault(r["variant"], r["losses"]) == r["losses"]
