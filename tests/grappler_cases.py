@@ -54,6 +54,15 @@ PRELUDE = textwrap.dedent("""
         x = tf.constant(rng.normal(0, 1, [4, 12, 12, 3]).astype(np.float32))
         return w, x
 
+    def small_cnn(classes):
+        # Keras Conv2D(activation="relu") -> MaxPooling2D -> Dense on 16x16x3, seeded weights
+        import keras
+        keras.utils.set_random_seed(0)
+        return keras.Sequential([keras.Input((16, 16, 3)),
+                                 keras.layers.Conv2D(4, 3, activation="relu", padding="same"),
+                                 keras.layers.MaxPooling2D(), keras.layers.Flatten(),
+                                 keras.layers.Dense(classes)])
+
     def bits_equal(a, b):
         a, b = np.asarray(a), np.asarray(b)
         return a.shape == b.shape and a.dtype == b.dtype and a.tobytes() == b.tobytes()
@@ -93,7 +102,8 @@ def run_case(body, env=None):
 
 
 def require_optimizer():
-    """Skips the calling module when the installed op library holds no optimizer."""
+    """Skips the calling module when the installed op library holds no optimizer (each module:
+    `optimizer_available = pytest.fixture(scope="module", autouse=True)(require_optimizer)`)."""
     probe = run_case("""
         import ctypes
         lib = ctypes.CDLL(tf_relupool._loader.library_path())

@@ -4,15 +4,11 @@ pool stays NHWC on a GPU.
 
 Each case runs in a fresh subprocess (tests/grappler_cases.py).
 """
-
 import pytest
 
 from grappler_cases import GPU, applications_case, require_optimizer, run_case
 
-
-@pytest.fixture(scope="module", autouse=True)
-def optimizer_available():
-    require_optimizer()
+optimizer_available = pytest.fixture(scope="module", autouse=True)(require_optimizer)
 
 
 @pytest.mark.parametrize("keep", ["argmax", "input"])

@@ -12,10 +12,7 @@ import pytest
 
 from grappler_cases import FUSED, GPU, PAD_STEP, STOCK, require_optimizer, run_case
 
-
-@pytest.fixture(scope="module", autouse=True)
-def optimizer_available():
-    require_optimizer()
+optimizer_available = pytest.fixture(scope="module", autouse=True)(require_optimizer)
 
 
 @pytest.mark.parametrize("keep", ["argmax", "input"])
@@ -106,11 +103,7 @@ def test_keras_conv_relu_after_remapper_is_fused():
     r = run_case("""
         import keras
         tf_relupool.enable_recompute()
-        keras.utils.set_random_seed(0)
-        m = keras.Sequential([keras.Input((16, 16, 3)),
-                              keras.layers.Conv2D(4, 3, activation="relu", padding="same"),
-                              keras.layers.MaxPooling2D(), keras.layers.Flatten(),
-                              keras.layers.Dense(2)])
+        m = small_cnn(2)
         # jit_compile=False: Keras' default "auto" compiles with XLA where a GPU is visible, and
         # XLA clusters never reach Grappler (cc/grappler/README.md).
         m.compile("sgd", keras.losses.SparseCategoricalCrossentropy(from_logits=True),

@@ -17,10 +17,7 @@ import pytest
 
 from grappler_cases import GPU, applications_case, require_optimizer, run_case
 
-
-@pytest.fixture(scope="module", autouse=True)
-def optimizer_available():
-    require_optimizer()
+optimizer_available = pytest.fixture(scope="module", autouse=True)(require_optimizer)
 
 
 def test_switch_off_changes_nothing_and_never_registers():
@@ -94,11 +91,7 @@ def test_keras_conv_relu_fit_is_bitwise_equal_to_switch_off(steps_per_execution)
                 tf_relupool.enable_recompute()
             else:
                 tf_relupool.disable_recompute()
-            keras.utils.set_random_seed(0)
-            m = keras.Sequential([keras.Input((16, 16, 3)),
-                                  keras.layers.Conv2D(4, 3, activation="relu", padding="same"),
-                                  keras.layers.MaxPooling2D(), keras.layers.Flatten(),
-                                  keras.layers.Dense(3)])
+            m = small_cnn(3)
             m.compile(keras.optimizers.SGD(0.1),
                       keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                       jit_compile=False, steps_per_execution={steps_per_execution})

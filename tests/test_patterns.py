@@ -37,6 +37,8 @@ def build(op, h, w):
                                     padding="SAME")
     if op == "_FusedConv2D":   # conv + bias + relu: TF's remapper makes it one _FusedConv2D
         return tf.nn.relu(tf.nn.bias_add(tf.nn.conv2d(h, w, 1, "SAME"), tf.ones([4]) * 0.1))
+    if op == "Conv2D":
+        return tf.nn.conv2d(h, w, 1, "SAME")
     raise KeyError(op)
 """
 exec(BUILDERS)  # defines build() here too  # noqa: S102
@@ -90,23 +92,27 @@ def test_grappler_fuses_every_pattern_of_the_table(keep):
         out = {{}}
         for name, roles, ops, gradient in {cases!r}:
             def make():
-                w = tf.constant(np.random.default_rng(1).normal(0, 0.3, [3, 3, 3, 4]), tf.float32)
-                def chain(z):
-                    h = z
+                rng = np.random.default_rng(1)
+                w0 = tf.constant(rng.normal(0, 0.3, [3, 3, 3, 4]), tf.float32)
+                w = tf.constant(rng.normal(0, 0.3, [3, 3, 4, 4]), tf.float32)
+                def chain(x):
+                    # a convolution first, as in a model: on a GPU the layout optimizer then
+                    # runs the whole chain in NCHW (without one it leaves the ReLU in NHWC and
+                    # the pool in NCHW, with a Transpose between: no pattern)
+                    h = build("Conv2D", x, w0)
                     for op in reversed(ops):
                         h = build(op, h, w)
                     return h
                 if not gradient:
                     return chain
-                def step(z):
+                def step(x):
                     with tf.GradientTape() as tape:
-                        tape.watch(z)
-                        loss = tf.reduce_sum(chain(z) ** 2)
-                    return loss, tape.gradient(loss, z)
+                        tape.watch(x)
+                        loss = tf.reduce_sum(chain(x) ** 2)
+                    return loss, tape.gradient(loss, x)
                 return step
-            channels = 3 if "_FusedConv2D" in ops else 4
-            z = tf.constant(np.random.default_rng(2).normal(size=[2, 9, 9, channels]), tf.float32)
-            same, off_ops, on_ops, st = off_then_on(make, (z,), {keep!r})
+            x = tf.constant(np.random.default_rng(2).normal(size=[2, 9, 9, 3]), tf.float32)
+            same, off_ops, on_ops, st = off_then_on(make, (x,), {keep!r})
             out[name + ":" + ",".join(ops)] = dict(same=same, off=off_ops, on=on_ops, stats=st)
         print(json.dumps(out))
     """))
