@@ -11,6 +11,8 @@ from hypothesis import strategies as st
 import tf_relupool
 from tf_relupool import ReluMaxPool2D
 
+from grappler_cases import PAD_STEP
+
 L = keras.layers
 X = np.random.default_rng(0).normal(size=(2, 16, 16, 3)).astype("float32")
 
@@ -380,23 +382,16 @@ def test_rewrite_function_rejects_non_concrete():
 
 # -- one implementation: rewrite_graph runs the Grappler pass --------------------------------
 
+exec(PAD_STEP)  # pad_step(): the Grappler tests' conv -> ReLU -> [Pad] -> pool step  # noqa: S102
+
+
 def pad_pool_step(ksize, strides, padding, pads, v2, pad_value=None):
     """A training step, conv -> ReLU -> Pad -> max pooling (MaxPool or MaxPoolV2), with the
-    gradients of the weights and of the input."""
-    @tf.function
-    def step(x):
-        with tf.GradientTape() as tape:
-            tape.watch(x)
-            r = tf.nn.relu(tf.nn.conv2d(x, W, 1, "SAME"))
-            p = tf.pad(r, pads) if pad_value is None else tf.pad(r, pads, constant_values=pad_value)
-            if v2:
-                y = tf.raw_ops.MaxPoolV2(input=p, ksize=[1, ksize, ksize, 1],
-                                         strides=[1, strides, strides, 1], padding=padding)
-            else:
-                y = tf.nn.max_pool2d(p, ksize, strides, padding)
-            loss = tf.reduce_sum(y * y)
-        return loss, tape.gradient(loss, [W, x])
-    return step.get_concrete_function(tf.TensorSpec([2, 9, 9, 3]))
+    gradients of the weights and of the input: the Grappler tests' pad_step, as a concrete
+    function for rewrite_function / rewrite_graph."""
+    make = pad_step([W], pads=pads, ksize=ksize, strides=strides, padding=padding,  # noqa: F821
+                    v2=v2, pad_value=pad_value)
+    return tf.function(make()).get_concrete_function(tf.TensorSpec([2, 9, 9, 3]))
 
 
 @settings(max_examples=10, deadline=None)
