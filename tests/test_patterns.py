@@ -7,6 +7,7 @@ forward for forward-only patterns, in a fresh process) and the trace-time fusion
 table without a builder here, or without a fuser that handles it, fails these tests.
 """
 import itertools
+import logging
 import textwrap
 
 import keras
@@ -162,3 +163,24 @@ def test_trace_time_fusion_fuses_every_trace_pattern_of_the_table():
         for a, b in zip(got, ref):
             np.testing.assert_array_equal(a.numpy().view(np.uint32), b.numpy().view(np.uint32),
                                           err_msg=f"{name} {ops}")
+
+
+def test_unreadable_table_leaves_keras_pooling_stock(monkeypatch, caplog):
+    """Where the library's table cannot be read, the trace-time fusion runs Keras' own pooling
+    (one warning), never an error inside the user's model."""
+    def broken():
+        raise OSError("no library")
+    monkeypatch.setattr(patterns, "table", broken)
+    monkeypatch.setattr(keras_fusion, "_warned", set())
+
+    @tf.function(jit_compile=True)
+    def step(z):
+        return keras.ops.max_pool(tf.nn.relu(z), 2, 2, "valid")
+    z = tf.random.stateless_normal([2, 8, 8, 4], seed=[5, 6])
+    before = keras_fusion.stats()["fused"]
+    with caplog.at_level(logging.WARNING, logger="tf_relupool"), tf_relupool.recompute():
+        got = step(z)
+    assert keras_fusion.stats()["fused"] == before
+    assert "pattern table could not be read (no library)" in caplog.text
+    np.testing.assert_array_equal(got.numpy(), tf.nn.max_pool2d(tf.nn.relu(z), 2, 2,
+                                                                 "VALID").numpy())

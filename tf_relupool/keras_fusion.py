@@ -32,7 +32,7 @@ logger = logging.getLogger("tf_relupool")
 _lock = threading.Lock()
 _original = []  # [Keras' own max_pool] while the wrapper is installed
 _stats = {"fused": 0, "fused_through_pad": 0}
-_unknown_roles = set()  # roles of trace-time patterns without a rule here (warned once each)
+_warned = set()  # what was warned once: a role without a rule here, or "table" (unreadable)
 
 
 def stats():
@@ -83,7 +83,15 @@ def _fusable_input(inputs):
     (tf_relupool.patterns, the one the Grappler pass reads): Relu(z) -> (z, None); Pad(Relu(z))
     padding with a value c that ReLU keeps bit for bit (c >= +0, not NaN) -> (z, (paddings, c));
     else None."""
-    for p in patterns.for_fuser("trace"):
+    try:
+        trace_patterns = patterns.for_fuser("trace")
+    except Exception as e:  # noqa: BLE001 - the library's table unreadable: stock, never a crash
+        if "table" not in _warned:
+            _warned.add("table")
+            logger.warning("tf_relupool: the pattern table could not be read (%s); Keras' max "
+                           "pooling runs stock's ops under XLA", e)
+        return None
+    for p in trace_patterns:
         if p.chain[0] == "pool":
             found = _match(inputs, p.chain[1:])
             if found is not None:
@@ -101,8 +109,8 @@ def _match(tensor, roles):
         if role == "relu":
             return (op.inputs[0], pad) if i == len(roles) - 1 else None
         if role != "pad":
-            if role not in _unknown_roles:
-                _unknown_roles.add(role)
+            if role not in _warned:
+                _warned.add(role)
                 logger.warning("tf_relupool: the trace-time fusion has no rule for the pattern "
                                "role %r; patterns with it run stock's ops", role)
             return None
