@@ -8,8 +8,9 @@ tf_relupool wraps the max pooling of Keras' TensorFlow backend (`keras.src.backe
 a 2-D max pool whose input is, at trace time, the output of a `Relu` op, or a zero-constant
 `Pad` of one (the ResNet stem's `ZeroPadding2D`), becomes the fused op in its XLA form
 (tf_relupool/xla.py) over the ReLU's input. Those are the trace-time patterns of the pattern
-table (tf_relupool.patterns: cc/grappler/patterns.h, which the Grappler pass reads too). Everywhere else (no XLA, another producer, 1-D/3-D
-pooling) the wrapped function calls Keras' own unchanged.
+table (tf_relupool.patterns: cc/grappler/patterns.h, which the Grappler pass reads too).
+Everywhere else (no XLA, another producer, 1-D/3-D pooling) the wrapped function calls Keras'
+own unchanged.
 
 Exact: the fused op computes max_pool(relu(z)) and its gradient bit for bit as stock does under
 XLA. The `Relu` op stays in the graph; when nothing else reads it, XLA drops it, otherwise its
