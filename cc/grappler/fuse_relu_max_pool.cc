@@ -66,31 +66,37 @@ bool SupportedType(tensorflow::DataType t) {
          t == tensorflow::DT_DOUBLE;
 }
 
-// A role of patterns.h: whether a node's op plays it (the set is built once, at load).
-class RoleTest {
+// Whether a node's op plays one of some roles of patterns.h (or is one of `extra`). Built once, at
+// load; a few op names each, so a scan (std::string compares lengths first) costs less than
+// hashing the node's op name, and a union of roles is one scan.
+class OpSet {
  public:
-  explicit RoleTest(const char* role) : ops_(RoleOps(role)) {}
-  bool operator()(const NodeDef& n) const { return ops_.count(n.op()) > 0; }
+  explicit OpSet(std::initializer_list<const char*> roles,
+                 std::initializer_list<const char*> extra = {}) {
+    for (const char* role : roles)
+      for (const std::string& op : RoleOps(role)) ops_.push_back(op);
+    ops_.insert(ops_.end(), extra.begin(), extra.end());
+  }
+  bool operator()(const NodeDef& n) const {
+    return std::find(ops_.begin(), ops_.end(), n.op()) != ops_.end();
+  }
 
  private:
-  std::unordered_set<std::string> ops_;
+  std::vector<std::string> ops_;
 };
 
-const RoleTest IsMaxPool("pool");
-const RoleTest IsMaxPoolGrad("pool_grad");
-const RoleTest IsPad("pad");
-const RoleTest IsRelu("relu");
-const RoleTest IsReluGrad("relu_grad");
-const RoleTest IsFusedConvRelu("fused_conv_relu");
+const OpSet IsMaxPool({"pool"});
+const OpSet IsMaxPoolGrad({"pool_grad"});
+const OpSet IsPad({"pad"});
+const OpSet IsRelu({"relu"});
+const OpSet IsReluGrad({"relu_grad"});
+const OpSet IsFusedConvRelu({"fused_conv_relu"});
+const OpSet IsReluSource({"relu", "fused_conv_relu"});
 // Ops that read only their input's shape: the same after the rewrite when fed z instead of relu(z).
-const RoleTest IsShapeOnly("shape_only");
-
-bool IsReluSource(const NodeDef& n) { return IsRelu(n) || IsFusedConvRelu(n); }
+const OpSet IsShapeOnly({"shape_only"});
 // The nodes a pattern can involve, whose data consumers the pass indexes (a Slice: a Pad's
 // gradient).
-bool IsPatternOp(const NodeDef& n) {
-  return IsReluSource(n) || IsMaxPool(n) || IsMaxPoolGrad(n) || IsPad(n) || n.op() == "Slice";
-}
+const OpSet IsPatternOp({"relu", "fused_conv_relu", "pool", "pool_grad", "pad"}, {"Slice"});
 
 // The narrowest code type for windows of ksize (the window may be smaller at run time).
 tensorflow::DataType ArgmaxType(const std::vector<int64_t>& ksize, bool nhwc) {
