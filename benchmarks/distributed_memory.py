@@ -61,10 +61,11 @@ def measure(args, model, batch, json_path):
 
 
 def largest(args, model, variant, measured, log):
-    """The largest global batch (replicas x a multiple of --granularity) of one variant."""
+    """The largest global batch (replicas x a multiple of --granularity) of one variant, from
+    `measured` (the model's measured run, with its "batch")."""
     n = args.replicas
     peak = max(measured["variants"][variant]["peak_step_bytes"].values(), default=0)
-    per_replica = batch_sizes(args)[model] // n
+    per_replica = measured["batch"] // n
     start, step = harness.search_start({per_replica: peak} if peak else {}, args.memory_limit,
                                        args.granularity, args.granularity * 8)
     trials = []
@@ -194,7 +195,7 @@ def main(argv=None):
         if model in args.search_models and "CPU" in got["device"]:
             log(f"{model}: no largest-batch search on CPUs (no memory_limit there)")
         elif model in args.search_models:
-            report["largest"][model] = {v: largest(args, model, v, got, log)
+            report["largest"][model] = {v: largest(args, model, v, report["models"][model], log)
                                         for v in args.search_variants}
     text = render(report)
     with open(base + ".md", "w") as f:
