@@ -1,0 +1,98 @@
+"""What an XLA executable allocates: read from an `--xla_dump_to` directory.
+
+    XLA_FLAGS="--xla_dump_to=/tmp/dump --xla_dump_hlo_as_text" python train.py
+    python benchmarks/xla_buffers.py /tmp/dump [--module one_step_on_data]
+
+For each dumped module whose name contains --module (default: every module with a buffer
+assignment), prints the allocations of its buffer assignment by kind (parameters, outputs,
+the preallocated temp buffer: one contiguous allocation per run), and the scratch (workspace)
+buffers of its cuDNN convolutions (the u8[N] element of a `__cudnn$conv...` custom call's result
+tuple, which the autotuner sized and which lives inside the temp buffer). No TensorFlow import.
+"""
+import argparse
+import glob
+import os
+import re
+import sys
+
+_ALLOC = re.compile(r"^allocation (\d+): size (\d+), (.*?):?\s*$")
+_CONV = re.compile(r"^\s*(\S+) = \((.*?)\) custom-call\(.*custom_call_target=\"(__cudnn\$conv[^\"]*)\"")
+_U8 = re.compile(r"u8\[(\d+)\]")
+MIB = 2.0 ** 20
+
+
+def allocations(path):
+    """[(index, size, kind text)] of a *buffer-assignment.txt file."""
+    out = []
+    with open(path) as f:
+        for line in f:
+            m = _ALLOC.match(line)
+            if m:
+                out.append((int(m.group(1)), int(m.group(2)), m.group(3)))
+    return out
+
+
+def conv_scratch(path):
+    """[(instruction, target, scratch bytes)] of the cuDNN convolutions of an HLO text file."""
+    out = []
+    with open(path) as f:
+        for line in f:
+            m = _CONV.match(line)
+            if m:
+                sizes = _U8.findall(m.group(2))
+                out.append((m.group(1), m.group(3), int(sizes[-1]) if sizes else 0))
+    return out
+
+
+def summarize(dump_dir, module_filter="", args_report_lines=12):
+    lines = []
+    for ba in sorted(glob.glob(os.path.join(dump_dir, "*buffer-assignment.txt"))):
+        name = os.path.basename(ba)[:-len(".buffer-assignment.txt")]
+        if module_filter not in name:
+            continue
+        allocs = allocations(ba)
+        kinds = {"parameter": 0, "output": 0, "temp": 0, "constant": 0, "other": 0}
+        for _, size, kind in allocs:
+            key = ("temp" if "preallocated-temp" in kind else "parameter" if "parameter" in kind
+                   else "output" if ("output" in kind or "live-out" in kind) else
+                   "constant" if "constant" in kind else "other")
+            kinds[key] += size
+        temp = max((s for _, s, k in allocs if "preallocated-temp" in k), default=0)
+        lines.append(f"{name}: {len(allocs)} allocations; temp {temp / MIB:.1f} MiB; "
+                     + ", ".join(f"{k} {v / MIB:.1f} MiB" for k, v in kinds.items() if v))
+        stem = ba[:-len("-buffer-assignment.txt")]
+        hlo = stem + ".txt"
+        report = stem + "-memory-usage-report.txt"
+        if os.path.exists(report):
+            with open(report) as f:
+                head = [l.rstrip() for l in f.readlines()[:args_report_lines]]
+            lines += ["  " + l for l in head if l.strip()]
+        if os.path.exists(hlo):
+            convs = conv_scratch(hlo)
+            if convs:
+                convs.sort(key=lambda c: -c[2])
+                total = sum(c[2] for c in convs)
+                lines.append(f"  {len(convs)} cuDNN convolutions, scratch largest "
+                             f"{convs[0][2] / MIB:.1f} MiB, sum {total / MIB:.1f} MiB; largest: "
+                             + "; ".join(f"{c[0]} {c[1].split('$')[-1]} {c[2] / MIB:.1f} MiB"
+                                         for c in convs[:6]))
+    return lines
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("dump_dir")
+    p.add_argument("--module", default="", help="only modules whose file name contains this")
+    p.add_argument("--report-lines", type=int, default=12,
+                   help="lines of XLA's memory-usage report shown per module (default 12)")
+    args = p.parse_args(argv)
+    lines = summarize(args.dump_dir, args.module, args.report_lines)
+    if not lines:
+        print(f"xla_buffers.py: no *buffer-assignment.txt in {args.dump_dir}", file=sys.stderr)
+        return 1
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
