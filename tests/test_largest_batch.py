@@ -1,0 +1,141 @@
+"""benchmarks/largest_batch.py (the largest batch at Keras' default compile) and
+benchmarks/xla_buffers.py (what an XLA executable allocates): the k-ary search, the variants and
+levers, out-of-memory sizes, the report, and the dump reader on a real XLA dump."""
+import importlib.util
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BENCHMARKS = os.path.join(ROOT, "benchmarks")
+
+
+def _module(name):
+    if BENCHMARKS not in sys.path:
+        sys.path.insert(0, BENCHMARKS)
+    spec = importlib.util.spec_from_file_location(name, os.path.join(BENCHMARKS, name + ".py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+lb = _module("largest_batch")
+xb = _module("xla_buffers")
+
+
+@pytest.mark.parametrize("boundary", [0, 7, 8, 24, 31, 40, 95, 96, 200])
+@pytest.mark.parametrize("width", [1, 3, 6])
+def test_kary_search_finds_the_boundary(boundary, width):
+    """Rounds of `width` parallel trials narrow [lowest, highest] to the largest multiple of the
+    granularity that fits (0 when none does, highest when all do), each batch tried once."""
+    s = lb.Search("vgg16", "default", 4096, 8, 8, 96)
+    tried, rounds = [], 0
+    for _ in range(20):
+        batches = s.candidates(width)
+        if not batches:
+            break
+        rounds += 1
+        assert len(batches) <= width and all(b % 8 == 0 and 8 <= b <= 96 for b in batches)
+        assert not set(batches) & set(tried)
+        tried += batches
+        s.record([{"batch": b, "status": "fits" if b <= boundary else "oom"} for b in batches])
+    assert s.answer() == min(96, boundary // 8 * 8)
+    # 12 candidate batches: bisection (width 1) needs at most 4 rounds, wider rounds 2.
+    assert rounds <= {1: 4, 3: 2, 6: 2}[width]
+
+
+def test_bracket_takes_the_failure_over_a_fit_above_it():
+    """A fit above a failure (not monotone, e.g. a flaky trial) does not raise the answer."""
+    assert lb.update_bracket(0, 104, {24: True, 48: False, 72: True}) == (24, 48)
+    assert lb.update_bracket(24, 48, {32: False, 40: True}) == (24, 32)
+
+
+def test_variants_and_levers():
+    assert lb.parse_variant("default-switch+autotune1+slop3") == ("default-switch",
+                                                                 ["autotune1", "slop3"])
+    for bad in ("nope", "default+nolever"):
+        with pytest.raises(ValueError, match="unknown"):
+            lb.parse_variant(bad)
+    env = lb.lever_env(["autotune1", "slop3", "determinism"], base={"XLA_FLAGS": "--a=1"})
+    assert env["XLA_FLAGS"] == ("--a=1 --xla_gpu_autotune_level=1 "
+                                "--xla_gpu_memory_limit_slop_factor=3")
+    assert env["TF_DETERMINISTIC_OPS"] == "1"
+    assert "XLA_FLAGS" not in lb.lever_env([], base={})
+    assert "autotune_level=0" in lb.variant_label("default+autotune0")
+
+
+def test_oom_sizes_from_messages():
+    assert lb.oom_bytes("Out of memory while trying to allocate 2.07GiB.") == int(2.07 * 2 ** 30)
+    assert lb.oom_bytes("OOM when allocating tensor ... allocating 272.00MiB") == 272 * 2 ** 20
+    assert lb.oom_bytes("allocate 3221225472 bytes") == 3221225472
+    assert lb.oom_bytes("something else") is None
+
+
+def test_report_of_trials_and_measurements():
+    """The Markdown report names every trial with its status and the size that failed, and
+    gives ratios against the first variant."""
+    args = vars(lb.parse_args(["--models", "vgg16", "--variants", "default,default-switch"]))
+    gib = 2 ** 30
+    report = {
+        "args": args, "meta": {"date": "2026-12-03 16:00", "seconds": 1,
+                               "device": {"name": "GPU:0", "description": "test"}},
+        "measured": {"vgg16": {
+            "default": [{"status": "fits", "first_peak_bytes": 5 * gib, "steady_peak_bytes": 4 * gib,
+                         "step_seconds": 0.02, "first_step_seconds": 25}],
+            "default-switch": [{"status": "fits", "first_peak_bytes": 5 * gib,
+                                "steady_peak_bytes": 2 * gib, "step_seconds": 0.016,
+                                "first_step_seconds": 26}]}},
+        "largest": {"vgg16": {
+            "default": {"batch": 16, "limit_mib": 4096, "open": False,
+                        "trials": [{"batch": 16, "status": "fits", "first_step_seconds": 60},
+                                   {"batch": 24, "status": "oom", "failed_step": 1,
+                                    "failed_bytes": 3256 * 2 ** 20}]},
+            "default-switch": {"batch": 24, "limit_mib": 4096, "open": False,
+                               "trials": [{"batch": 24, "status": "fits"}]}}},
+        "trials": [{"model": "vgg16", "variant": "default-switch", "batch": 32, "limit_mib": 4096,
+                    "status": "oom", "failed_step": 1, "failed_bytes": 2120 * 2 ** 20}]}
+    md = lb.render(report)
+    assert "| vgg16 | default-switch | 32 | 4096 | oom |" in md and "step 1: 2120 MiB" in md
+    assert "1.25x" in md  # speed: 20 ms / 16 ms
+    assert "| 24 | 1.50x |" in md  # largest batch against the default's 16
+    assert "24 oom (step 1: 3256 MiB)" in md
+
+
+@pytest.mark.parametrize("argv", [["--models", "nope"], ["--variants", "default+x"],
+                                  ["--memory-limit", "vgg16"], ["--jobs", "0"]])
+def test_bad_arguments_are_errors(argv):
+    with pytest.raises(SystemExit) as e:
+        lb.parse_args(argv)
+    assert e.value.code == 2
+
+
+def test_xla_buffers_reads_a_real_dump(tmp_path):
+    """A jit-compiled function's dump (XLA on the CPU): its allocations by kind, the temporary
+    buffer among them, and XLA's own memory report; an empty directory is an error."""
+    code = ("import tensorflow as tf\n"
+            "f = tf.function(lambda x: tf.reduce_sum(tf.nn.max_pool2d(tf.nn.relu(x), 2, 2, 'VALID')"
+            " * 3.0), jit_compile=True)\n"
+            "print(float(f(tf.ones([4, 16, 16, 8]))))\n")
+    env = dict(os.environ, XLA_FLAGS=f"--xla_dump_to={tmp_path} --xla_dump_hlo_as_text",
+               TF_CPP_MIN_LOG_LEVEL="3")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().endswith("6144.0")
+    lines = xb.summarize(str(tmp_path))
+    assert lines and "allocations; temp" in lines[0] and "parameter 0.0 MiB" in lines[0]
+    assert any("Total bytes used" in l for l in lines)
+    assert xb.main([str(tmp_path / "empty")]) == 1
+
+
+def test_conv_scratch_of_an_hlo_line(tmp_path):
+    """The u8 scratch element of a cuDNN custom call's result tuple is its workspace."""
+    hlo = tmp_path / "m.gpu_after_optimizations.txt"
+    hlo.write_text(
+        '  %cudnn-conv.1 = (f32[32,64,224,224]{3,2,1,0}, u8[19267584]{0}) custom-call(f32[32,3,'
+        '224,224]{3,2,1,0} %p, f32[64,3,3,3]{3,2,1,0} %w), window={size=3x3 pad=1_1x1_1}, '
+        'custom_call_target="__cudnn$convForward"\n'
+        '  %fusion = f32[4]{0} fusion(f32[4]{0} %a), kind=kLoop\n')
+    assert xb.conv_scratch(str(hlo)) == [("%cudnn-conv.1", "__cudnn$convForward", 19267584)]
