@@ -318,8 +318,9 @@ def render(report, brief=False):
               f"inter-op parallelism {a['inter_op_threads'] or 'default'}. "
               f"Peak: bytes the {dev['name']} allocator holds at the peak of one step above what "
               f"was resident before it, median of {a['reps']} steps after 2 warm-up steps. "
-              f"Step time: median of {a['rounds']} steps at batch {a['time_batch']}, variants "
-              f"interleaved. Ratios are against {VARIANT_LABELS[ref]} in the same Grappler "
+              + (f"Step time: median of {a['rounds']} steps at batch {a['time_batch']}, "
+                 "variants interleaved. " if a["rounds"] else "Step time: not measured. ")
+              + f"Ratios are against {VARIANT_LABELS[ref]} in the same Grappler "
               "configuration (XLA-compiled functions do not run Grappler).")
     if search_on:
         how = ("a fresh process whose GPU has `memory_limit` set to that" if dev["kind"] == "gpu"
