@@ -27,7 +27,7 @@ The device: --device auto (default) measures the GPU when TensorFlow sees one, e
 allocator's peaks, Grappler configurations, largest batch under a GPU memory_limit; its options
 apply, see `gpu_memory.py --help`):
 
-    python benchmarks/memory_report.py --device gpu --quick --out $OUT/gpu_memory.md
+    python benchmarks/memory_report.py --device gpu --quick --out build/gpu_memory.md
 """
 import argparse
 import datetime
