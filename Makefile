@@ -51,8 +51,9 @@ test-slow: install
 bench: install
 	$(PY) benchmarks/bench_ops.py
 
-# The main job: a short CIFAR-10 training, stock then fused from the same weights, printing their
-# peak step memory side by side, then the quick memory/speed report (build/demo/).
+# The main job: a short CIFAR-10 training, the stock model then the same model under
+# tf_relupool.enable_recompute() (the one line), from the same weights, printing their peak step
+# memory and step time side by side, then the quick memory/speed report (build/demo/).
 # Synthetic data by default (offline); `make demo DATA=../shared/data/cifar10-jpeg.tar.gz` (or an
 # image-folder directory, or DATA=keras) trains one epoch on 5,000 real images instead.
 # DEVICE=auto (default) measures the GPU's allocator when TensorFlow sees a GPU, else the CPU's;
