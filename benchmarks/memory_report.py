@@ -68,7 +68,7 @@ def _setup_tf(deterministic_memory):
 
 def build_steps(tf, model_name, seed=0, variants=VARIANTS):
     """{variant: (train step tf.function, keep)} for one model's `variants`, all from the same
-    weights (the seed's)."""
+    weights (those `seed` gives)."""
     import keras
     import models
     import tf_relupool
