@@ -51,8 +51,9 @@ test-slow: install
 bench: install
 	$(PY) benchmarks/bench_ops.py
 
-# The main job: a short CIFAR-10 training, stock then fused from the same weights, printing their
-# peak step memory side by side, then the quick memory/speed report (build/demo/).
+# The main job: a short CIFAR-10 training, the stock model then the same model under
+# tf_relupool.enable_recompute() (the one line), from the same weights, printing their peak step
+# memory and step time side by side, then the quick memory/speed report (build/demo/).
 # Synthetic data by default (offline); `make demo DATA=../shared/data/cifar10-jpeg.tar.gz` (or an
 # image-folder directory, or DATA=keras) trains one epoch on 5,000 real images instead.
 # DEVICE=auto (default) measures the GPU's allocator when TensorFlow sees a GPU, else the CPU's;
@@ -122,9 +123,9 @@ gpu-sanitize: gpu-build
 
 # ---- GPU through TensorFlow: on the H200 with ../shared/tools/tf-gpu's trimmed TF 2.21 sourced ----
 # `make gpu-test` runs the whole suite with the GPU visible (tests/test_gpu.py holds the GPU-only
-# checks; it is skipped elsewhere), from tests/ so that the bundle's installed tf_relupool is
-# imported rather than the source tree. gpu_check/tf_gpu.sh wraps it with the op benchmark and the
-# memory report for one `run` call; gpu_check/README.md says how.
+# checks; it is skipped elsewhere), from tests/ so that the installed tf_relupool is imported
+# rather than the source tree. gpu_check/tf_gpu.sh runs it with the op benchmark and the memory
+# report; gpu_check/README.md says how.
 GPU_PYTHON ?= python3
 GPU_TEST_ARGS ?=
 .PHONY: gpu-test
@@ -161,7 +162,7 @@ bazel-clean:
 	-[ ! -d $(BAZEL_ROOT) ] || $(BAZEL_CMD) shutdown
 	rm -rf $(BAZEL_ROOT) build/bazel-bin build/bazel-out build/bazel-testlogs build/bazel-$(notdir $(CURDIR))
 
-# ---- CIFAR-10 examples (issue 5) ----
+# ---- CIFAR-10 examples ----
 .PHONY: report demo-real
 # The full memory/speed report: three models, four variants, several batch sizes (~20-30 min);
 # on a GPU (DEVICE=auto or gpu) the GPU report -> benchmarks/results/gpu_memory.md.
@@ -171,7 +172,7 @@ report: install
 demo-real: install
 	$(MAKE) --no-print-directory demo DATA=$(or $(DATA),../shared/data/cifar10-jpeg.tar.gz)
 
-# ---- Reliability (issue 6): fuzzing and sanitizers. docs/reliability.md. ----
+# ---- Reliability: fuzzing and sanitizers. docs/reliability.md. ----
 # `make fuzz` runs FUZZ_CALLS random calls (valid and invalid) of every op in worker processes
 # and prints counts (ok, errors by type, crashes); FUZZ_SEED picks the calls, so a failure replays.
 # `make sanitize` runs the framework-free kernel test under ASan+UBSan, then builds the op library

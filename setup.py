@@ -160,18 +160,14 @@ class BuildOpLibrary(build_ext):
         )
 
 
+# The metadata is pyproject.toml's [project] table; the version and install_requires (its
+# `dynamic` fields) come from tf_relupool/_versions.py, read without importing the package.
 _VERSIONS = {}
 exec((Path(__file__).resolve().parent / "tf_relupool" / "_versions.py").read_text(), _VERSIONS)
-_OLDEST = ".".join(map(str, _VERSIONS["OLDEST_TESTED"]))
 
 setup(
-    name="tf_relupool",
-    version="0.1.0",
-    description="Fused ReLU + max pooling for TensorFlow: exact, faster, and lighter on memory.",
-    packages=["tf_relupool"],
-    python_requires=">=3.9",
-    install_requires=[f"tensorflow>={_OLDEST}", "numpy"],
+    version=_VERSIONS["VERSION"],
+    install_requires=_VERSIONS["requirements"](),
     ext_modules=[Extension("tf_relupool._relu_max_pool_ops", sources=CPU_SOURCES)],
     cmdclass={"build_ext": BuildOpLibrary},
-    zip_safe=False,
 )

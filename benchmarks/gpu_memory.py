@@ -49,7 +49,7 @@ Writes a Markdown table (--out FILE.md, or DIR/gpu_memory.md) and the raw number
 (.json), and prints the table.
 
     python benchmarks/gpu_memory.py --quick --out /tmp/gpu_memory.md    # meant for ~5 min on an H200
-    python benchmarks/memory_report.py --device gpu --quick --out $OUT/gpu_memory.md   # the same
+    python benchmarks/memory_report.py --device gpu --quick --out /tmp/gpu_memory.md  # the same
     python benchmarks/gpu_memory.py --models vgg --grappler default,layout-off,layout-off+workspace-0 \\
         --search-grappler default,layout-off --batch-sizes 256,1024
 """
@@ -318,8 +318,9 @@ def render(report, brief=False):
               f"inter-op parallelism {a['inter_op_threads'] or 'default'}. "
               f"Peak: bytes the {dev['name']} allocator holds at the peak of one step above what "
               f"was resident before it, median of {a['reps']} steps after 2 warm-up steps. "
-              f"Step time: median of {a['rounds']} steps at batch {a['time_batch']}, variants "
-              f"interleaved. Ratios are against {VARIANT_LABELS[ref]} in the same Grappler "
+              + (f"Step time: median of {a['rounds']} steps at batch {a['time_batch']}, "
+                 "variants interleaved. " if a["rounds"] else "Step time: not measured. ")
+              + f"Ratios are against {VARIANT_LABELS[ref]} in the same Grappler "
               "configuration (XLA-compiled functions do not run Grappler).")
     if search_on:
         how = ("a fresh process whose GPU has `memory_limit` set to that" if dev["kind"] == "gpu"
@@ -445,21 +446,24 @@ def parse_args(argv=None, prog=None):
     p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog="Quick (--quick) defaults: models simple,vgg; variants "
-                                       "stock,argmax,input; peaks at batch 1024 with Grappler "
-                                       "default and layout-off; step time at 1024; largest batch "
-                                       "under 2048 MiB for stock and argmax with default Grappler. "
-                                       "Without --quick: peaks at 256,1024 under default, "
-                                       "layout-off, layout-off+remapper-off, layout-off+workspace-0;"
-                                       " searches for all variants under default and layout-off.")
+                                       "default,default-switch,default-remat,stock,argmax; peaks "
+                                       "at batch 1024 with Grappler default and layout-off; step "
+                                       "time at 1024; largest batch under 2048 MiB for default "
+                                       "and default-switch with default Grappler. Without "
+                                       "--quick: all eight variants; peaks at 256,1024 under "
+                                       "default, layout-off, layout-off+remapper-off, "
+                                       "layout-off+workspace-0; searches for all variants under "
+                                       "default and layout-off.")
     p.add_argument("--device", choices=devices.DEVICE_CHOICES, default="gpu",
                    help="gpu (default); cpu runs the same measurements on the CPU allocator "
                         "(for tests); auto picks the GPU when TensorFlow sees one")
     p.add_argument("--quick", action="store_true", help="the ~5-minute version (see below)")
     p.add_argument("--models", type=_csv("models", MODELS), default=None,
-                   help="comma-separated: simple,vgg,resnet (default simple,vgg)")
+                   help="comma-separated: simple,vgg,resnet,vgg16,resnet50 (default simple,vgg)")
     p.add_argument("--variants", type=_csv("variants", tuple(VARIANTS)), default=None,
-                   help="comma-separated: stock,argmax,input (default all three; stock is "
-                        "always measured, as the reference)")
+                   help=f"comma-separated, of {','.join(VARIANTS)} (default all; quick: "
+                        "default,default-switch,default-remat,stock,argmax); stock is added "
+                        "as the reference when neither stock nor default is listed")
     p.add_argument("--batch-sizes", type=_csv("batch sizes", convert=_positive), default=None,
                    help="batch sizes of the peak measurement (quick: 1024; full: 256,1024)")
     p.add_argument("--time-batch", type=_positive_arg, default=1024,
@@ -472,7 +476,7 @@ def parse_args(argv=None, prog=None):
                    "(default: those of default (quick) or default,layout-off (full) that "
                    "--grappler lists, else its first)")
     p.add_argument("--search-variants", type=_csv("variants", tuple(VARIANTS)), default=None,
-                   help="variants searched (quick: stock,argmax; full: all measured)")
+                   help="variants searched (quick: default,default-switch; full: all measured)")
     p.add_argument("--memory-limit", type=_positive_arg, default=2048, metavar="MIB",
                    help="GPU memory_limit of the largest-batch trials, MiB (default 2048)")
     p.add_argument("--granularity", type=_positive_arg, default=64,

@@ -15,8 +15,8 @@ plugin), --keep DIR keeps the raw profiles (.xplane.pb) and `--convert DIR` read
 machine that has it.
 
     python benchmarks/memory_breakdown.py --device gpu --model simple --batch 1024 \\
-        --variants stock,argmax,switch --config default --keep $OUT/xplanes
-    python benchmarks/memory_breakdown.py --convert $OUT/xplanes --out breakdown.md
+        --variants stock,argmax,switch --config default --keep build/xplanes
+    python benchmarks/memory_breakdown.py --convert build/xplanes --out breakdown.md
 """
 import argparse
 import glob

@@ -27,7 +27,7 @@ The device: --device auto (default) measures the GPU when TensorFlow sees one, e
 allocator's peaks, Grappler configurations, largest batch under a GPU memory_limit; its options
 apply, see `gpu_memory.py --help`):
 
-    python benchmarks/memory_report.py --device gpu --quick --out $OUT/gpu_memory.md
+    python benchmarks/memory_report.py --device gpu --quick --out build/gpu_memory.md
 """
 import argparse
 import datetime
@@ -68,7 +68,7 @@ def _setup_tf(deterministic_memory):
 
 def build_steps(tf, model_name, seed=0, variants=VARIANTS):
     """{variant: (train step tf.function, keep)} for one model's `variants`, all from the same
-    weights (the seed's)."""
+    weights (those `seed` gives)."""
     import keras
     import models
     import tf_relupool

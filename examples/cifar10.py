@@ -1,24 +1,30 @@
 """Train a CIFAR-10 CNN with Keras, stock or with tf_relupool's fused ReLU + max pool.
 
-The models (examples/models.py) use stock Keras layers only. With --recompute argmax|input the
-script does what a user adds to their own code:
+The models (examples/models.py) use stock Keras layers only. --recompute names what trains:
 
-    tf_relupool.enable_recompute(keep="argmax")    # or keep="input"
-    model = tf_relupool.rewrite_model(model)       # Conv2D(relu)/ReLU + MaxPooling2D -> fused
+    off     the stock model as written
+    argmax  the stock model after the one line a user adds before compile():
+                tf_relupool.enable_recompute()                 # keep="argmax", the default
+    input   the same with tf_relupool.enable_recompute(keep="input")
+    layer   the model rewritten to tf_relupool's layer, the switch left off:
+                model = tf_relupool.rewrite_model(model, keep="argmax")   # -> ReluMaxPool2D
 
 Several comma-separated modes (--recompute off,argmax) train the same initial weights on the same
 batches once per mode, one after another, and print a side-by-side summary. Per epoch, after
 Keras's progress bar: loss, accuracy, median step time and peak training-step memory (bytes
 allocated during a step above what was resident before it, from the allocator statistics of the
-device that trains: the GPU's when TensorFlow sees one, else the CPU's BFC allocator). The output
-names the device measured; --device cpu|gpu chooses it, --layout-optimizer/--remapper off turn
-those Grappler passes off, --memory-limit caps the GPU's memory.
+device that trains: the GPU's when TensorFlow sees one, else the CPU's BFC allocator), and for
+each mode how many ReLU + max pool pairs its training step fuses. The output names the device
+measured; --device cpu|gpu chooses it, --layout-optimizer/--remapper off turn those Grappler
+passes off, --memory-limit caps the GPU's memory.
 
-    python examples/cifar10.py                                  # simple CNN, synthetic data
-    python examples/cifar10.py --model vgg --recompute off,argmax --epochs 2
-    python examples/cifar10.py --data ../shared/data/cifar10-jpeg.tar.gz --limit 10000
-    python examples/cifar10.py --data keras                     # keras.datasets.cifar10
-    python examples/cifar10.py --device gpu --layout-optimizer off --batch-size 1024
+examples:
+  python examples/cifar10.py                                  # simple CNN, stock, synthetic data
+  python examples/cifar10.py --recompute off,argmax           # stock vs enable_recompute()
+  python examples/cifar10.py --model vgg --recompute off,argmax,layer --epochs 2
+  python examples/cifar10.py --data ../shared/data/cifar10-jpeg.tar.gz --limit 10000
+  python examples/cifar10.py --data keras                     # keras.datasets.cifar10
+  python examples/cifar10.py --device gpu --layout-optimizer off --batch-size 1024
 """
 import argparse
 import json
@@ -34,7 +40,11 @@ import data as data_lib  # noqa: E402  (no TensorFlow import)
 import devices  # noqa: E402  (no TensorFlow import)
 
 MODELS = ("simple", "vgg", "resnet")
-MODES = ("off", "argmax", "input")
+MODES = ("off", "argmax", "input", "layer")
+# What each mode trains, as the summary names it.
+MODE_LABELS = {"off": "stock", "argmax": "enable_recompute()",
+               "input": "enable_recompute(keep='input')",
+               "layer": "rewrite_model(keep='argmax') (ReluMaxPool2D)"}
 MIB = 2.0 ** 20
 
 
@@ -76,16 +86,22 @@ def _modes(text):
 
 
 def parse_args(argv=None):
-    p = OneLineParser(prog="cifar10.py", description=__doc__.split("\n")[0])
+    head, examples = __doc__.split("\nexamples:\n")
+    p = OneLineParser(prog="cifar10.py", description=head.strip(), epilog="examples:\n" + examples,
+                      formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", choices=MODELS, default="simple",
                    help="simple CNN, VGG-style or ResNet-style (default simple)")
     p.add_argument("--jit-compile", choices=("auto", "true", "false"), default="auto",
                    help="Keras' jit_compile: auto (default, what compile() does: XLA whenever a "
                         "GPU is visible, the fused op's XLA form then), true or false")
-    p.add_argument("--recompute", type=_modes, default=["off"], metavar="{off,argmax,input}",
-                   help="off: stock layers; argmax: enable_recompute() defaults (1-byte argmax "
-                        "codes); input: enable_recompute(keep='input'); several, comma-separated, "
-                        "train one after another from the same weights (default off)")
+    p.add_argument("--recompute", type=_modes, default=["off"],
+                   metavar="{off,argmax,input,layer}",
+                   help="off: the stock model; argmax: the stock model under "
+                        "tf_relupool.enable_recompute() (its default, 1-byte argmax codes); "
+                        "input: under enable_recompute(keep='input'); layer: "
+                        "tf_relupool.rewrite_model(model, keep='argmax'), the switch off; several, "
+                        "comma-separated, train one after another from the same weights "
+                        "(default off)")
     p.add_argument("--batch-size", type=_positive_int("batch size"), default=128)
     p.add_argument("--epochs", type=_positive_int("epochs"), default=1)
     p.add_argument("--steps-per-epoch", type=_positive_int("steps"), default=None)
@@ -146,7 +162,16 @@ def _setup_tensorflow(args, parser):
     return tf, dev
 
 
-def _step_stats_callback(tf, dev):
+def switch_fusions():
+    """ReLU + max pool pairs the switch has fused in this process so far: at trace time inside
+    XLA (tf_relupool.keras_fusion) plus, with their gradient, by the Grappler pass."""
+    from tf_relupool import grappler, keras_fusion
+    return keras_fusion.stats()["fused"] + grappler.stats()["fused_with_grad"]
+
+
+def _step_stats_callback(tf, dev, fusions=None):
+    """The per-step statistics callback; `fusions`, a counter read before the first step and
+    after it, gives `first_step_fusions`: what the switch fused in the training step."""
     import keras
 
     class StepStats(keras.callbacks.Callback):
@@ -154,6 +179,8 @@ def _step_stats_callback(tf, dev):
 
         def __init__(self):
             super().__init__()
+            self.first_step_fusions = None
+            self._fusions_before = fusions() if fusions else None
             self.epochs = []
             self.meter = devices.StepMemory(tf, dev)
             self.memory = self.meter.available  # False: e.g. CPU without TF_CPU_ALLOCATOR_USE_BFC
@@ -171,6 +198,8 @@ def _step_stats_callback(tf, dev):
             self.losses.append(loss)
             if self.memory:
                 self.peaks.append(self.meter.end())
+            if fusions and self.first_step_fusions is None:  # the step was traced and optimized
+                self.first_step_fusions = fusions() - self._fusions_before
 
         def on_epoch_end(self, epoch, logs=None):
             times = self.times[1:] if epoch == 0 and len(self.times) > 1 else self.times
@@ -204,28 +233,37 @@ def train_one(args, mode, tf, dev):
     if args.steps_per_epoch:  # epochs of a fixed number of steps: never run out of data
         train = train.repeat()
     model = models.build(args.model, num_classes=num_classes)
-    if mode == "off":
-        tf_relupool.disable_recompute()
-    else:
-        tf_relupool.enable_recompute(keep=mode)
-        model = tf_relupool.rewrite_model(model)  # new model, same weights
-    fused = sum(isinstance(l, tf_relupool.ReluMaxPool2D) for l in _all_layers(model))
+    tf_relupool.disable_recompute()
+    if mode in ("argmax", "input"):
+        tf_relupool.enable_recompute(keep=mode)  # the one line; the model stays as written
+    elif mode == "layer":
+        model = tf_relupool.rewrite_model(model, keep="argmax")  # new model, same weights
+    layers = sum(isinstance(l, tf_relupool.ReluMaxPool2D) for l in _all_layers(model))
     model.compile(optimizer=keras.optimizers.Adam(args.learning_rate),
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                   metrics=["accuracy"],
                   jit_compile={"auto": "auto", "true": True, "false": False}[args.jit_compile])
-    print(f"== {args.model}, recompute {mode}: {fused} fused ReLU+MaxPool layer(s); "
-          f"{description}; batch {args.batch_size}", flush=True)
-    stats = _step_stats_callback(tf, dev)
+    print(f"== {args.model}, recompute {mode}: {MODE_LABELS[mode]}"
+          + (f", {layers} ReluMaxPool2D layer(s)" if mode == "layer" else "")
+          + f"; {description}; batch {args.batch_size}", flush=True)
+    switched = mode in ("argmax", "input")
+    stats = _step_stats_callback(tf, dev, fusions=switch_fusions if switched else None)
     callbacks = [stats]
     if args.verbose:  # the progress bar first, so that each epoch's line follows its bar
         callbacks.insert(0, keras.callbacks.ProgbarLogger())
     model.fit(train, epochs=args.epochs, steps_per_epoch=args.steps_per_epoch,
               callbacks=callbacks, verbose=args.verbose)
+    # The pairs fused in the training step: the layer's are its layers; the switch's are those
+    # it fused while Keras traced the first step (XLA) or TensorFlow optimized it (Grappler).
+    fused = stats.first_step_fusions if switched else layers
+    if switched:
+        print(f"enable_recompute() fused {fused} ReLU + max pool pair(s) in the training step",
+              flush=True)
     test_loss, test_acc = model.evaluate(test, verbose=0)
     print(f"test: loss {test_loss:.4f}, accuracy {test_acc:.4f}", flush=True)
     tf_relupool.disable_recompute()
-    return {"mode": mode, "model": args.model, "fused_layers": fused, "epochs": stats.epochs,
+    return {"mode": mode, "variant": MODE_LABELS[mode], "model": args.model,
+            "fused_pairs": fused, "fused_layers": layers, "epochs": stats.epochs,
             "test_loss": float(test_loss), "test_accuracy": float(test_acc)}
 
 
@@ -246,16 +284,18 @@ def summary(results, dev=None):
                   f"{dev.grappler.get('remapper', 'on')}"
                   + (f"; memory limit {dev.memory_limit_mib} MiB" if dev.memory_limit_mib else ""),
                   ""]
-    lines += ["| recompute | peak step memory, max (MiB) | median (MiB) | median vs first | "
-             "step time (ms) | speed vs first | train loss | test accuracy |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines += ["| recompute | what trains | pairs fused | peak step memory, max (MiB) | "
+              "median (MiB) | median vs first | step time (ms) | speed vs first | train loss | "
+              "test accuracy |",
+              "|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         e = r["epochs"][-1]
         peak = f"{e['peak_bytes'] / MIB:.1f}" if e["peak_bytes"] else "n/a"
         median = f"{e['median_peak_bytes'] / MIB:.1f}" if e["peak_bytes"] else "n/a"
         ratio = f"{e['median_peak_bytes'] / ref['median_peak_bytes']:.2f}x" if \
             e["peak_bytes"] and ref["peak_bytes"] else "n/a"
-        lines.append(f"| {r['mode']} | {peak} | {median} | {ratio} | {e['step_time_s'] * 1e3:.0f} | "
+        lines.append(f"| {r['mode']} | {MODE_LABELS[r['mode']]} | {r['fused_pairs']} | {peak} | "
+                     f"{median} | {ratio} | {e['step_time_s'] * 1e3:.0f} | "
                      f"{ref['step_time_s'] / e['step_time_s']:.2f}x | {e['loss']:.4f} | "
                      f"{r['test_accuracy']:.4f} |")
     if len(results) > 1:
@@ -265,10 +305,11 @@ def summary(results, dev=None):
         lines.append("per-step training losses bitwise equal across modes: "
                      f"{'yes' if same else 'no'}")
         if not same and dev is not None and dev.kind == "gpu" and \
-                dev.grappler.get("remapper") == "on":
+                dev.grappler.get("remapper") == "on" and any(r["mode"] == "layer" for r in results):
             lines.append("(on the GPU the remapper fuses stock Conv2D+BiasAdd+Relu into one cuDNN "
-                         "call, so stock and fused losses differ in the last bits; "
-                         "--remapper off --deterministic makes them bitwise equal)")
+                         "call, which the layer's convolutions, without their ReLU, do not get: "
+                         "its losses differ in the last bits; --remapper off --deterministic "
+                         "makes them bitwise equal)")
     return "\n".join(lines)
 
 

@@ -1,8 +1,9 @@
 """Three CIFAR-10 models written as a Keras user writes them: stock layers only.
 
-Nothing here knows about tf_relupool. `tf_relupool.rewrite_model(model)` turns every
-`Conv2D(activation="relu") -> MaxPooling2D` (and `ReLU() -> MaxPooling2D`) pair into one
-`ReluMaxPool2D` layer; with `tf_relupool.enable_recompute()` that layer runs the fused op.
+Nothing here knows about tf_relupool. `tf_relupool.enable_recompute()` alone fuses every
+`Conv2D(activation="relu") -> MaxPooling2D` (and `ReLU() -> MaxPooling2D`) pair of these models
+when Keras traces them; `tf_relupool.rewrite_model(model)` turns each pair into one
+`ReluMaxPool2D` layer instead.
 
 Each model is a Functional model made of named blocks (`block1`, `block2`, ... as nested
 `keras.Sequential` models), so that the memory report can wrap each conv block in

@@ -1,6 +1,6 @@
 #!/bin/bash
 # Builds the harness, runs the checks and the timing table, then the sanitizers on small sizes.
-# Used on the lent H200 (`run` tool): writes logs under ${OUT:-gpu_check/out}.
+# Used on the H200: writes logs under ${OUT:-gpu_check/out}.
 # VARIANTS="name:flags ..." also builds and times variants of the kernels (e.g. w1:-DTFRP_FAST_WAVES=1).
 set -o pipefail
 OUT=${OUT:-gpu_check/out}

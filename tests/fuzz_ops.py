@@ -236,7 +236,9 @@ def call_api(rng, tf, tfr, lib):
     dy = tf.constant(rng.normal(size=y.shape.as_list()), z.dtype)
     dz = tape.gradient(y, z, output_gradients=dy)
     # Valid call: compare with stock and with the other keep mode.
-    fmt_u, pad_u = fmt.upper(), padding.upper()
+    # A padding list is an explicit padding, which the API takes as tf.nn.max_pool2d does; the
+    # only one drawn here is all zeros, which is VALID.
+    fmt_u, pad_u = fmt.upper(), padding.upper() if isinstance(padding, str) else "VALID"
     k4, s4 = _normalised(ksize, fmt_u), _normalised(strides, fmt_u)
     if z.shape.num_elements() and y.shape.num_elements() and _stock_can_run(k4, s4):
         ys, dzs = _stock(tf, z, dy, k4, s4, pad_u, fmt_u)

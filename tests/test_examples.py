@@ -99,6 +99,15 @@ def test_cli_bad_input_is_one_line_naming_the_option(tmp_path):
         assert p.stdout == "", (args, p.stdout)
 
 
+def test_cli_help_shows_the_modes_and_usage_examples():
+    p = run(CIFAR, "--help", timeout=120)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert "tf_relupool.enable_recompute()" in p.stdout
+    assert "tf_relupool.rewrite_model(model, keep=\"argmax\")" in p.stdout
+    examples = p.stdout.split("\nexamples:\n")[1]
+    assert "python examples/cifar10.py --recompute off,argmax" in examples, p.stdout
+
+
 def test_report_bad_input():
     for args, option in ((["--models", "lenet"], "--models"),
                          (["--batch-sizes", "0,32"], "--batch-sizes"),
@@ -114,10 +123,12 @@ def test_report_bad_input():
 
 # ---- short synthetic training: learns, stock == fused bitwise, fused needs less memory ----
 
-@pytest.mark.parametrize("model, batch, modes", [("simple", 64, "off,argmax,input"),
-                                                ("vgg", 32, "off,argmax"),
-                                                ("resnet", 64, "off,argmax")])
-def test_synthetic_training(tmp_path, model, batch, modes):
+@pytest.mark.parametrize("model, batch, modes, pairs", [
+    ("simple", 64, "off,argmax,input,layer", 4), ("vgg", 32, "off,argmax", 4),
+    ("resnet", 64, "off,argmax", 1)])
+def test_synthetic_training(tmp_path, model, batch, modes, pairs):
+    """argmax and input: the stock model under enable_recompute() (the one line); layer:
+    rewrite_model's ReluMaxPool2D layers."""
     out = tmp_path / "result.json"
     # On a GPU, stock's Grappler remapper fuses Conv2D+BiasAdd+Relu into one cuDNN call whose
     # bits differ from the unfused convolution the fused model keeps, and the layout optimizer
@@ -138,8 +149,11 @@ def test_synthetic_training(tmp_path, model, batch, modes):
     results = json.loads(out.read_text())
     stock, argmax, *others = results
     assert [r["mode"] for r in results] == modes.split(",")
-    assert stock["fused_layers"] == 0
-    assert all(r["fused_layers"] == argmax["fused_layers"] > 0 for r in others)
+    assert stock["fused_pairs"] == 0 and stock["variant"] == "stock"
+    assert argmax["variant"] == "enable_recompute()" and argmax["fused_layers"] == 0
+    # The switch fuses the stock model's pairs, the layer variant has one layer per pair.
+    assert all(r["fused_pairs"] == pairs for r in (argmax, *others))
+    assert all(r["fused_layers"] == (pairs if r["mode"] == "layer" else 0) for r in others)
     # It learns: the running loss after the last step is below the first step's loss. (The
     # VGG-style net, 8 convs without batch norm, sits on its ln(10) plateau for longer than
     # 12 steps; for it the bitwise and memory checks below are the test.)
@@ -415,7 +429,7 @@ def _real_data_equality(tmp_path, limit, test_limit):
             timeout=3600)
     assert p.returncode == 0, p.stderr[-4000:]
     stock, fused = json.loads(out.read_text())
-    assert fused["fused_layers"] == 4
+    assert fused["fused_pairs"] == 4 and fused["variant"] == "enable_recompute()"
     losses_stock = stock["epochs"][0]["step_losses"]
     losses_fused = fused["epochs"][0]["step_losses"]
     assert len(losses_stock) == -(-limit // 128)

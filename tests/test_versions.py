@@ -34,3 +34,16 @@ def test_this_tensorflow_is_in_range_and_import_warns_outside_it():
                           timeout=300, cwd="/")
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "untested" in proc.stdout and "2.99.0" in proc.stdout
+
+
+def test_version_and_requirements_have_one_source():
+    """setup.py's version and install_requires and tf_relupool.__version__ all come from
+    _versions.py; the Keras running here lies in the declared range."""
+    import keras
+    import tf_relupool
+    assert tf_relupool.__version__ == _versions.VERSION
+    requires = _versions.requirements()
+    assert f"tensorflow>={'.'.join(map(str, _versions.OLDEST_TESTED))}" in requires
+    low, high = _versions.KERAS_MIN, _versions.KERAS_MAX_TESTED
+    assert f"keras>={low[0]}.{low[1]},<{high[0]}.{high[1] + 1}" in requires
+    assert low <= _versions.minor(keras.__version__) <= high

@@ -23,7 +23,7 @@ __all__ = ["KEEP_ARGMAX", "KEEP_INPUT", "OpLibraryError", "load_library", "relu_
            "ReluMaxPool2D", "disable_recompute", "enable_recompute", "recompute",
            "recompute_enabled", "recompute_mode", "rewrite_function", "rewrite_graph",
            "rewrite_model", "load_saved_model"]
-__version__ = "0.1.0"
+__version__ = _versions.VERSION
 
 # Register the ops at import, so that GraphDefs and SavedModels naming them load after
 # `import tf_relupool`. A library that cannot load does not break the import: the same

@@ -1,11 +1,33 @@
-"""The TensorFlow versions tf_relupool is tested with (docs/install.md, "TensorFlow versions").
+"""tf_relupool's own version and the TensorFlow and Keras versions it is tested with
+(docs/install.md, "TensorFlow versions").
 
-One source for setup.py's `install_requires` (read there with `exec`, no import of the package)
-and for the warning at import (tf_relupool/__init__.py). No TensorFlow import here.
+One source for setup.py's `version` and `install_requires` (read there with `exec`, no import of
+the package), for `tf_relupool.__version__` and for the warning at import (tf_relupool/__init__.py).
+No TensorFlow import here.
 """
+#: The package's version (setup.py's metadata and tf_relupool.__version__).
+VERSION = "0.1.0"
+
 #: Oldest and newest TensorFlow minor versions built and tested.
 OLDEST_TESTED = (2, 20)
 NEWEST_TESTED = (2, 21)
+
+#: Oldest Keras 3 minor version required, and the newest tested (install_requires: the range).
+KERAS_MIN = (3, 10)
+KERAS_MAX_TESTED = (3, 15)
+
+
+def requirements():
+    """setup.py's install_requires: TensorFlow from the oldest tested minor version on, Keras in
+    its tested range (up to the last patch release of KERAS_MAX_TESTED), NumPy."""
+    keras_below = (KERAS_MAX_TESTED[0], KERAS_MAX_TESTED[1] + 1)
+    return [f"tensorflow>={_dotted(OLDEST_TESTED)}",
+            f"keras>={_dotted(KERAS_MIN)},<{_dotted(keras_below)}", "numpy"]
+
+
+def _dotted(version):
+    """(3, 10) -> '3.10'."""
+    return ".".join(map(str, version))
 
 
 def minor(version):
