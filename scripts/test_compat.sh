@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Builds tf_relupool against several TensorFlow releases and runs the smoke tests with each.
-# Usage: scripts/test_compat.sh [X.Y.Z ...]   (default: 2.20.0, the oldest release declared)
+# Usage: scripts/test_compat.sh [X.Y.Z[:KERAS] ...]   (default: 2.20.0, the oldest release declared)
 # For each release: a venv $COMPAT_DIR/venv-X.Y with tensorflow==X.Y.Z, a Keras 3 that works with
-# it, numpy, pytest and hypothesis; a copy of this working tree (without .venv/.git/.tfgpu/build)
+# it (the newest; `2.21.0:3.10.0` pins Keras 3.10.0 instead, in venv-2.21-keras3.10.0), numpy,
+# pytest and hypothesis; a copy of this working tree (without .venv/.git/.tfgpu/build)
 # in $COMPAT_DIR/src-X.Y; a CPU-only build (TF_RELUPOOL_CUDA=0) installed into the venv; then
 # test_ops/layers/grappler/xla/loader from the copy's tests/ with 30 hypothesis examples.
 # Prints one summary line per release (logs: $COMPAT_DIR/X.Y-{install,build,test}.log) and exits
@@ -16,7 +17,9 @@ SMOKE=(test_ops.py test_layers.py test_grappler.py test_fuse_relu_max_pool.py te
 [ $# -gt 0 ] || set -- 2.20.0
 mkdir -p "$COMPAT_DIR" && COMPAT_DIR=$(cd "$COMPAT_DIR" && pwd)
 
-keras_for() { echo "keras>=3"; }  # (Keras 3.3.3, pip's old pick for 2.16, has fit bugs)
+keras_for() {  # $1 = X.Y.Z[:KERAS] (Keras 3.3.3, pip's old pick for 2.16, has fit bugs)
+  case $1 in *:*) echo "keras==${1#*:}" ;; *) echo "keras>=3" ;; esac
+}
 
 copy_tree() {  # the working tree, as it is (uncommitted changes too), into $1
   if command -v rsync > /dev/null; then
@@ -27,10 +30,12 @@ copy_tree() {  # the working tree, as it is (uncommitted changes too), into $1
   fi
 }
 
-run_one() {  # $1 = X.Y.Z; prints the result, returns nonzero on failure
-  local mm=${1%.*}; local venv=$COMPAT_DIR/venv-$mm src=$COMPAT_DIR/src-$mm log=$COMPAT_DIR/$mm
+run_one() {  # $1 = X.Y.Z[:KERAS]; prints the result, returns nonzero on failure
+  local tf=${1%%:*}; local mm=${tf%.*}
+  case $1 in *:*) mm=$mm-keras${1#*:} ;; esac
+  local venv=$COMPAT_DIR/venv-$mm src=$COMPAT_DIR/src-$mm log=$COMPAT_DIR/$mm
   [ -x "$venv/bin/pip" ] || "$PYTHON" -m venv "$venv" || { echo "venv failed"; return 1; }
-  "$venv/bin/pip" install -q "tensorflow==$1" "$(keras_for "$1")" numpy pytest hypothesis \
+  "$venv/bin/pip" install -q "tensorflow==$tf" "$(keras_for "$1")" numpy pytest hypothesis \
     > "$log-install.log" 2>&1 || { echo "pip install failed ($log-install.log)"; return 1; }
   copy_tree "$src" || { echo "copying the tree failed"; return 1; }
   (cd "$src" && TF_RELUPOOL_CUDA=0 "$venv/bin/pip" install --no-build-isolation --no-deps \
@@ -48,6 +53,6 @@ failed=0
 for v in "$@"; do
   t0=$SECONDS
   if out=$(run_one "$v"); then status=PASS; else status=FAIL; failed=1; fi
-  echo "tensorflow $v: $status: $out [$((SECONDS - t0))s]"
+  echo "tensorflow ${v%%:*}$(case $v in *:*) echo " with keras ${v#*:}" ;; esac): $status: $out [$((SECONDS - t0))s]"
 done
 exit $failed

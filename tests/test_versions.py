@@ -47,3 +47,25 @@ def test_version_and_requirements_have_one_source():
     low, high = _versions.KERAS_MIN, _versions.KERAS_MAX_TESTED
     assert f"keras>={low[0]}.{low[1]},<{high[0]}.{high[1] + 1}" in requires
     assert low <= _versions.minor(keras.__version__) <= high
+
+
+def test_keras_outside_its_range_warns_at_import():
+    """Keras' tested range has the same warning as TensorFlow's, at import, read from the
+    installed distribution's metadata (Keras itself is not imported for it)."""
+    low, high = _versions.KERAS_MIN, _versions.KERAS_MAX_TESTED
+    assert _versions.keras_untested_message(f"{low[0]}.{low[1]}.0") is None
+    assert _versions.keras_untested_message(f"{high[0]}.{high[1]}.9") is None
+    text = _versions.keras_untested_message(f"{high[0]}.{high[1] + 1}.0")
+    assert text and "Keras" in text and f"{high[0]}.{high[1] + 1}.0" in text
+    assert _versions.keras_untested_message("2.15.0") is not None
+    assert _versions.keras_untested_message("") is None  # no Keras installed
+    code = ("import warnings, importlib.metadata as m\n"
+            "real = m.version\n"
+            "m.version = lambda name: '3.99.0' if name == 'keras' else real(name)\n"
+            "with warnings.catch_warnings(record=True) as w:\n"
+            "    warnings.simplefilter('always'); import tf_relupool\n"
+            "print([str(x.message) for x in w if 'Keras 3.99.0' in str(x.message)])")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=300, cwd="/")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "untested" in proc.stdout and "3.99.0" in proc.stdout

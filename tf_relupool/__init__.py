@@ -6,8 +6,11 @@ import tensorflow as _tf
 from tf_relupool import _versions
 
 # A TensorFlow outside the tested range: a warning naming both versions, not a failure.
-if _versions.untested_message(_tf.__version__):
-    _warnings.warn(_versions.untested_message(_tf.__version__), RuntimeWarning, stacklevel=2)
+# The same for Keras 3, whose version is read without importing it.
+for _message in (_versions.untested_message(_tf.__version__),
+                 _versions.keras_untested_message(_versions.installed_keras() or "")):
+    if _message:
+        _warnings.warn(_message, RuntimeWarning, stacklevel=2)
 from tf_relupool._loader import OpLibraryError, load_library
 from tf_relupool.ops import KEEP_ARGMAX, KEEP_INPUT, relu_max_pool2d
 from tf_relupool.config import (disable_recompute, enable_recompute, recompute,

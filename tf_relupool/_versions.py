@@ -39,11 +39,27 @@ def minor(version):
         return None
 
 
-def untested_message(version):
-    """A warning text when TensorFlow `version` lies outside the tested range, else None."""
+def untested_message(version, name="TensorFlow", oldest=OLDEST_TESTED, newest=NEWEST_TESTED):
+    """A warning text when `name` (TensorFlow by default) `version` lies outside the tested
+    range [oldest, newest], else None."""
     found = minor(version)
-    if found is None or OLDEST_TESTED <= found <= NEWEST_TESTED:
+    if found is None or oldest <= found <= newest:
         return None
-    low, high = (".".join(map(str, v)) for v in (OLDEST_TESTED, NEWEST_TESTED))
-    return (f"tf_relupool is tested with TensorFlow {low} to {high}; this is TensorFlow "
+    low, high = _dotted(oldest), _dotted(newest)
+    return (f"tf_relupool is tested with {name} {low} to {high}; this is {name} "
             f"{version}, which is untested: it may work, or fail in ways the tests would catch")
+
+
+def keras_untested_message(version):
+    """The same warning for a Keras `version` outside [KERAS_MIN, KERAS_MAX_TESTED] (the switch
+    under XLA wraps a function of Keras' TensorFlow backend, docs/xla.md)."""
+    return untested_message(version, "Keras", KERAS_MIN, KERAS_MAX_TESTED)
+
+
+def installed_keras():
+    """The installed Keras' version string, read without importing Keras; None without one."""
+    try:
+        from importlib import metadata
+        return metadata.version("keras")
+    except Exception:  # noqa: BLE001 - no Keras, or no metadata: nothing to warn about
+        return None
