@@ -124,8 +124,8 @@ gpu-sanitize: gpu-build
 # ---- GPU through TensorFlow: on the H200 with ../shared/tools/tf-gpu's trimmed TF 2.21 sourced ----
 # `make gpu-test` runs the whole suite with the GPU visible (tests/test_gpu.py holds the GPU-only
 # checks; it is skipped elsewhere), from tests/ so that the installed tf_relupool is imported
-# rather than the source tree. gpu_check/tf_gpu.sh runs it with the op benchmark and the memory
-# report; gpu_check/README.md says how.
+# rather than the source tree. scripts/tf_gpu.sh runs it with the op benchmark and the memory
+# report; docs/gpu.md says how.
 GPU_PYTHON ?= python3
 GPU_TEST_ARGS ?=
 .PHONY: gpu-test

@@ -70,7 +70,7 @@ if HERE not in sys.path:
     sys.path.insert(0, HERE)
 
 # harness.py (beside this script) puts examples/ on sys.path. build_model, synthetic_batch and
-# _step are also gpu_check/xla_bitwise.py's, as gpu_memory's.
+# _step are also xla_bitwise.py's, as gpu_memory's.
 from harness import (MIB, MODELS, ROOT, VARIANT_LABELS, VARIANTS, ReportError,  # noqa: E402
                      build_model, classify_error, git_head, largest_fitting, leave,
                      library_built, print_result, read_result, round_down, run_fresh, run_worker,

@@ -21,26 +21,23 @@ _U8 = re.compile(r"u8\[(\d+)\]")
 MIB = 2.0 ** 20
 
 
+def _matches(path, pattern):
+    """The matches of `pattern` at the start of each line of the text file `path`."""
+    with open(path) as f:
+        return [m for m in map(pattern.match, f) if m]
+
+
 def allocations(path):
     """[(index, size, kind text)] of a *buffer-assignment.txt file."""
-    out = []
-    with open(path) as f:
-        for line in f:
-            m = _ALLOC.match(line)
-            if m:
-                out.append((int(m.group(1)), int(m.group(2)), m.group(3)))
-    return out
+    return [(int(m.group(1)), int(m.group(2)), m.group(3)) for m in _matches(path, _ALLOC)]
 
 
 def conv_scratch(path):
     """[(instruction, target, scratch bytes)] of the cuDNN convolutions of an HLO text file."""
     out = []
-    with open(path) as f:
-        for line in f:
-            m = _CONV.match(line)
-            if m:
-                sizes = _U8.findall(m.group(2))
-                out.append((m.group(1), m.group(3), int(sizes[-1]) if sizes else 0))
+    for m in _matches(path, _CONV):
+        sizes = _U8.findall(m.group(2))
+        out.append((m.group(1), m.group(3), int(sizes[-1]) if sizes else 0))
     return out
 
 

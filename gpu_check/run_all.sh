@@ -1,5 +1,5 @@
 #!/bin/bash
-# Builds the harness, runs the checks and the timing table, then the sanitizers on small sizes.
+# Builds the harness, runs the checks and the timing table, then `make gpu-sanitize`.
 # Used on the H200: writes logs under ${OUT:-gpu_check/out}.
 # VARIANTS="name:flags ..." also builds and times variants of the kernels (e.g. w1:-DTFRP_FAST_WAVES=1).
 set -o pipefail
@@ -19,15 +19,9 @@ for v in $VARIANTS; do
   echo "== variant ${v%%:*} (${v#*:})" | tee -a "$OUT/variants.txt"
   build/gpu_check_${v%%:*}/gpu_check --configs 10 2>&1 | grep -E '^\||CHECKS|copy' | tee -a "$OUT/variants.txt"
 done
-if [ -z "$SKIP_SANITIZE" ]; then
-  S=/usr/local/cuda/bin/compute-sanitizer
-  B=build/gpu_check/gpu_check
-  for tool in memcheck racecheck initcheck synccheck; do
-    extra="--no-cudnn"; [ $tool = memcheck ] && extra=""
-    echo "== compute-sanitizer --tool $tool $B --small $extra" | tee -a "$OUT/sanitize.txt"
-    timeout 240 $S --tool $tool --error-exitcode 9 $B --small $extra > /tmp/san-$tool.txt 2>&1
-    echo "exit $? ; $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|ALL CHECKS|CHECKS FAILED' /tmp/san-$tool.txt | tr '\n' ' ')" | tee -a "$OUT/sanitize.txt"
-    { echo "== $tool"; cat /tmp/san-$tool.txt; } >> "$OUT/sanitize-logs.txt"
-  done
+if [ -z "$SKIP_SANITIZE" ]; then  # the Makefile's four tools; the full log, then its verdicts
+  make --no-print-directory gpu-sanitize GPU_ARCH="$ARCH" > "$OUT/sanitize-logs.txt" 2>&1 || rc=1
+  grep -E 'compute-sanitizer --tool|ERROR SUMMARY|RACECHECK SUMMARY|ALL CHECKS|CHECKS FAILED|Error' \
+    "$OUT/sanitize-logs.txt" | tee "$OUT/sanitize.txt"
 fi
 exit $rc

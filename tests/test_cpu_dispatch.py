@@ -294,6 +294,19 @@ def _same_bits(a, b):
     return np.array_equal(a, b)
 
 
+def _results_on_every_path(case, z, dy, ddz):
+    """Baseline's _raw_results, once every supported path has given the same bits (the same IEEE
+    operations in the same order). Leaves the last path set: the caller restores its own."""
+    results = {}
+    for isa in SUPPORTED:
+        set_isa(isa)
+        results[isa] = _raw_results(case, z, dy, ddz)
+    for isa in SUPPORTED[1:]:
+        for name, want in results["baseline"].items():
+            assert _same_bits(results[isa][name], want), f"{isa} vs baseline: {name} differs"
+    return results["baseline"]
+
+
 @given(case=dispatch_cases())
 def test_every_path_bitwise_equal_to_baseline_and_stock(case):
     z = tf.constant(case["z"], dtype=case["dtype"])
@@ -304,23 +317,15 @@ def test_every_path_bitwise_equal_to_baseline_and_stock(case):
     ddz = make_dy(dict(case, rng_seed=case["rng_seed"] + 7), z.shape)
     before = active_isa()
     try:
-        results = {}
-        for isa in SUPPORTED:
-            set_isa(isa)
-            results[isa] = _raw_results(case, z, dy, ddz)
-        for isa in SUPPORTED[1:]:
-            for name, want in results["baseline"].items():
-                # The same IEEE operations in the same order on every path: equal bits.
-                assert _same_bits(results[isa][name], want), f"{isa} vs baseline: {name} differs"
-
+        baseline = _results_on_every_path(case, z, dy, ddz)
         rows, cols = (1, 2) if case["data_format"] == "NHWC" else (2, 3)
         if case["padding"] == "VALID" and (case["ksize"][rows] > z.shape[rows] or
                                            case["ksize"][cols] > z.shape[cols]):
             # Stock refuses this or, with oneDNN, fails or returns garbage (test_ops.py): the
             # fused ops give an empty output and a zero gradient.
-            assert results["baseline"]["y"].size == 0
-            assert not results["baseline"]["dz_from_codes"].any()
-            assert not results["baseline"]["dz_from_input"].any()
+            assert baseline["y"].size == 0
+            assert not baseline["dz_from_codes"].any()
+            assert not baseline["dz_from_input"].any()
             return
         # Stock, where it is defined (docs/semantics.md): float32/float64 Relu's sign of
         # -0 depends on the element's address in stock, so stock sees -0 as +0 there. Denormals:
@@ -378,16 +383,10 @@ def test_large_outputs_on_every_path(dtype, shape, data_format):
     dy = make_dy(case, y_shape)
     before = active_isa()
     try:
-        results = {}
-        for isa in SUPPORTED:
-            set_isa(isa)
-            results[isa] = _raw_results(case, z, dy, z)
-        for isa in SUPPORTED[1:]:
-            for name, want in results["baseline"].items():
-                assert _same_bits(results[isa][name], want), f"{isa} vs baseline: {name} differs"
+        baseline = _results_on_every_path(case, z, dy, z)
     finally:
         set_isa(before)
     y_stock, dz_stock = stock_forward_and_grad(z, dy, four, four, "VALID", data_format)
-    assert_bitwise_equal(results["baseline"]["y"], y_stock, "forward")
-    assert_bitwise_equal(results["baseline"]["dz_from_codes"], dz_stock, "gradient from codes")
-    assert_bitwise_equal(results["baseline"]["dz_from_input"], dz_stock, "gradient from input")
+    assert_bitwise_equal(baseline["y"], y_stock, "forward")
+    assert_bitwise_equal(baseline["dz_from_codes"], dz_stock, "gradient from codes")
+    assert_bitwise_equal(baseline["dz_from_input"], dz_stock, "gradient from input")

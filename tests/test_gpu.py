@@ -137,7 +137,7 @@ def test_overlapping_windows_add_up_like_stock_nhwc_on_the_gpu():
     whose gradients are added): the fused gradient, NHWC and NCHW on the GPU, adds them in
     output order, bit for bit like stock's CPU kernel and stock's NHWC GPU kernel. Stock's NCHW
     GPU gradient (cuDNN) adds them in an order of its own, which differs again with op
-    determinism (gpu_check/diag/stem_grad_diff.py: 13 resp. 111 of 32768 entries, rounding
+    determinism (docs/grappler.md: 13 resp. 111 of 32768 entries on the H200, rounding
     only): not a reference here, printed for the record."""
     rng = np.random.default_rng(7)
     z = tf.constant(rng.normal(0, 1, (2, 16, 16, 64)), tf.float32)

@@ -24,16 +24,23 @@ def test_message_only_outside_the_tested_range():
         assert f"{low[0]}.{low[1]}" in text and f"{high[0]}.{high[1]}" in text
 
 
-def test_this_tensorflow_is_in_range_and_import_warns_outside_it():
-    assert _versions.untested_message(tf.__version__) is None
-    code = ("import warnings, tensorflow as tf; tf.__version__ = '2.99.0'\n"
+def _import_warnings(setup, version):
+    """The warnings `import tf_relupool` gives, in a fresh process after `setup`, that name
+    `version`."""
+    code = (setup + "\nimport warnings\n"
             "with warnings.catch_warnings(record=True) as w:\n"
             "    warnings.simplefilter('always'); import tf_relupool\n"
-            "print([str(x.message) for x in w if '2.99.0' in str(x.message)])")
+            f"print([str(x.message) for x in w if {version!r} in str(x.message)])")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=300, cwd="/")
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "untested" in proc.stdout and "2.99.0" in proc.stdout
+    return proc.stdout
+
+
+def test_this_tensorflow_is_in_range_and_import_warns_outside_it():
+    assert _versions.untested_message(tf.__version__) is None
+    out = _import_warnings("import tensorflow as tf; tf.__version__ = '2.99.0'", "2.99.0")
+    assert "untested" in out and "2.99.0" in out
 
 
 def test_version_and_requirements_have_one_source():
@@ -59,13 +66,7 @@ def test_keras_outside_its_range_warns_at_import():
     assert text and "Keras" in text and f"{high[0]}.{high[1] + 1}.0" in text
     assert _versions.keras_untested_message("2.15.0") is not None
     assert _versions.keras_untested_message("") is None  # no Keras installed
-    code = ("import warnings, importlib.metadata as m\n"
-            "real = m.version\n"
-            "m.version = lambda name: '3.99.0' if name == 'keras' else real(name)\n"
-            "with warnings.catch_warnings(record=True) as w:\n"
-            "    warnings.simplefilter('always'); import tf_relupool\n"
-            "print([str(x.message) for x in w if 'Keras 3.99.0' in str(x.message)])")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          timeout=300, cwd="/")
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "untested" in proc.stdout and "3.99.0" in proc.stdout
+    out = _import_warnings("import importlib.metadata as m\nreal = m.version\n"
+                           "m.version = lambda name: '3.99.0' if name == 'keras' else real(name)",
+                           "Keras 3.99.0")
+    assert "untested" in out and "3.99.0" in out

@@ -13,8 +13,10 @@ import tensorflow as tf
 
 from tf_relupool._loader import OpLibraryError, load_library
 
+# Every op of cc/ops/relu_max_pool_ops.cc: a function that differentiates twice through
+# keep="argmax" holds the second-order one (tests/test_saved_model.py).
 OP_NAMES = ("ReluMaxPool", "ReluMaxPoolGrad", "ReluMaxPoolWithWindowArgmax",
-            "ReluMaxPoolGradFromWindowArgmax")
+            "ReluMaxPoolGradFromWindowArgmax", "ReluMaxPoolGradGradFromWindowArgmax")
 _NOT_REGISTERED = re.compile(r"Op type not registered '([^']+)'")
 
 

@@ -1,7 +1,7 @@
 #!/bin/bash
-# One `run` call on the H200 after the bundle's four pieces are in /tmp/tfparts (see
-# ../shared/tools/tf-gpu/README.md): sources the trimmed TensorFlow, then runs STEPS (default
-# "test bench"), each writing under $OUT:
+# The GPU through TensorFlow: one `run` call on the H200 after the bundle's four pieces are in
+# /tmp/tfparts (see ../shared/tools/tf-gpu/README.md): sources the trimmed TensorFlow, then runs
+# STEPS (default "test bench"), each writing under $OUT (default build/tf_gpu):
 #   test     make gpu-test: the whole suite with the GPU visible    -> gpu_test.txt
 #   bench    benchmarks/bench_ops.py --device gpu: op speed vs stock -> bench_gpu.md
 #   memory   benchmarks/memory_report.py on the GPU (MEMORY_ARGS)   -> gpu_memory.md
@@ -19,7 +19,7 @@
 # Run from the project root with .tfgpu/common and .tfgpu/pkg carried.
 set -o pipefail
 ROOT=$(pwd)
-OUT=${OUT:-$ROOT/gpu_check/out}
+OUT=${OUT:-$ROOT/build/tf_gpu}
 mkdir -p "$OUT"
 source .tfgpu/common/setup_tf.sh || { echo "setup_tf.sh failed"; exit 1; }
 nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv > "$OUT/nvidia-smi.txt" 2>&1

@@ -5,7 +5,7 @@ same weights and data at Keras' default compile; the script prints each step's l
 whether every loss and final weight matches stock's. XLA on the GPU is deterministic only with
 --xla_gpu_deterministic_ops=true (default here; --nondeterministic leaves XLA's default).
 
-    python gpu_check/xla_bitwise.py --models simple,vgg,resnet --policy mixed_bfloat16
+    python benchmarks/xla_bitwise.py --models simple,vgg,resnet --policy mixed_bfloat16
 """
 import argparse
 import hashlib
@@ -14,14 +14,11 @@ import os
 import subprocess
 import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-
 
 def worker(model_name, variant, policy, batch, steps):
     import numpy as np
     import tensorflow as tf
-    import gpu_memory
+    import gpu_memory  # beside this script: its models, variants and training step
     model = gpu_memory.build_model(tf, model_name, variant, policy=policy)
     x, y = gpu_memory.synthetic_batch(tf, batch, model=model)
     losses = [float(gpu_memory._step(model, x, y, variant)).hex() for _ in range(steps)]
