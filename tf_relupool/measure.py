@@ -221,11 +221,11 @@ class Run:
         return result
 
     def describe(self, r):
-        if r["status"] != "fits":
+        if r["status"] != "fits" and r.get("first_peak_bytes") is None:
             where = f" at step {r['failed_step']}" if r.get("failed_step") else \
-                f" ({r.get('stage')})"
+                f" (stage {r.get('stage')})"
             return f"{r['status']}{where}: {r.get('message', '')[:200]}"
-        text = (f"fits; steady peak {_mib(r.get('steady_peak_bytes'))} MiB, first step "
+        text = (f"{'fits' if r['status'] == 'fits' else r['status'] + ' (' + r.get('message', '') + ')'}; steady peak {_mib(r.get('steady_peak_bytes'))} MiB, first step "
                 f"{_mib(r.get('first_peak_bytes'))} MiB")
         if r.get("step_seconds"):
             text += f", {1e3 * r['step_seconds']:.1f} ms/step"
@@ -239,9 +239,9 @@ def _check_first(args, r):
     stage, msg = r.get("stage"), r.get("message", "")
     if r["status"] == "fits":
         return
-    if stage == "load":
+    if stage == "load" and not (args.source == "application" and args.input_shape):
         raise UsageError(f"cannot load model {args.model}: {msg}")
-    if stage == "input":
+    if stage in ("load", "input"):
         what = (f"bad --input-shape {','.join(map(str, args.input_shape))} for {args.model}"
                 if args.input_shape else f"cannot use model {args.model}")
         raise UsageError(f"{what}: {msg}")
@@ -312,7 +312,7 @@ def render(report):
         r = v.get(k)
         if not r:
             continue
-        if r.get("status") != "fits":
+        if r.get("first_peak_bytes") is None:  # nothing measured (a GPU out of memory)
             cells = [LABELS[k], r.get("status", "?"), "", ""]
         else:
             t = r.get("step_seconds")
@@ -330,7 +330,8 @@ def render(report):
         cells.append("-" if k == "stock" else (
             f"{r['fused']} ({r['fused_by']})" if r.get("fused") is not None else "n/a"))
         lines.append("| " + " | ".join(cells) + " |")
-    notes = [f"- {LABELS[k]}: {v[k].get('message')}" for k in VARIANTS
+    notes = [f"- {LABELS[k]}, batch {m['batch_size']}: {v[k].get('status')}: {v[k].get('message')}"
+             for k in VARIANTS
              if v.get(k, {}).get("status") not in (None, "fits")]
     if notes:
         lines += [""] + notes
