@@ -6,6 +6,8 @@ package's __init__ (which imports TensorFlow), so that their drivers never start
 - Devices (what examples/devices.py documents): DEVICE_CHOICES, DeviceError, Device,
   prepare_environment, cpu_description, setup, StepMemory: which device a step runs on,
   TensorFlow configured before it starts, and one step's peak above resident on its allocator.
+- measure_steps / step_figures: timed steps between StepMemory's begin and end, and the
+  figures a worker reports from them (first step, steady median, allocator peak).
 - start_tensorflow: a worker's TensorFlow, configured, or DEVICE_ERROR and exit status 3.
 - print_result / leave / read_result / run_worker: the worker protocol. A worker prints its
   answer as one line `RESULT <json>` on stdout, or `DEVICE_ERROR <message>` (exit status 3) when
@@ -22,6 +24,7 @@ import datetime
 import importlib.util
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -193,6 +196,42 @@ class StepMemory:
         if not self.available:
             return None
         return self.tf.config.experimental.get_memory_info(self.name)["peak"]
+
+
+def measure_steps(meter, step, n, errors=()):
+    """Runs step() n times, each between meter.begin() and meter.end() (a StepMemory):
+    ([(seconds, peak above resident, allocator peak)] of the steps that finished, the exception
+    of type `errors` that stopped them, or None)."""
+    steps = []
+    try:
+        for _ in range(n):
+            meter.begin()
+            start = time.perf_counter()
+            step()
+            steps.append((time.perf_counter() - start, meter.end(), meter.total_peak()))
+    except errors as e:
+        return steps, e
+    return steps, None
+
+
+def step_figures(steps, available=True):
+    """A worker's figures from measure_steps' steps: the first step's time and peak above
+    resident, the allocator's peak over all steps, and the steady steps' median peak (the steps
+    after the first) and median time (from the third, the second can still settle). Peaks are
+    None when the allocator keeps no statistics (`available` False)."""
+    out = {}
+    if steps:
+        out["first_step_seconds"] = steps[0][0]
+        out["first_peak_bytes"] = steps[0][1]
+        out["total_peak_bytes"] = max(s[2] for s in steps) if available else None
+        later = steps[1:]
+        if later:
+            out["steady_peak_bytes"] = (statistics.median(s[1] for s in later) if available
+                                        else None)
+            timed = later[1:] or later
+            out["step_seconds"] = statistics.median(s[0] for s in timed)
+            out["step_seconds_all"] = [s[0] for s in timed]
+    return out
 
 
 # ---------------------------------------------------------------------------------------------

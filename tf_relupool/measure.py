@@ -28,7 +28,6 @@ import datetime
 import difflib
 import json
 import os
-import statistics
 import sys
 import time
 
@@ -141,26 +140,13 @@ def worker(spec):
                       f"> {limit} MiB (CPU)")
         return result
     _stage(result, "step")
-    steps = []  # (seconds, peak above resident, allocator peak)
-    try:
-        for _ in range(spec["steps"]):
-            meter.begin()
-            start = time.perf_counter()
-            model.train_on_batch(x, y)
-            steps.append((time.perf_counter() - start, meter.end(), meter.total_peak()))
-    except Exception as e:  # noqa: BLE001 - tf.errors.OpError, or a model that cannot train
-        result.update(status=h.classify_error(type(e).__name__, str(e)), message=_first_line(e),
-                      failed_step=len(steps) + 1)
-    if steps:
-        result["first_step_seconds"] = steps[0][0]
-        result["first_peak_bytes"] = steps[0][1]
-        result["total_peak_bytes"] = max(s[2] for s in steps) if meter.available else None
-        later = steps[1:]
-        if later:
-            result["steady_peak_bytes"] = (statistics.median(s[1] for s in later)
-                                           if meter.available else None)
-            timed = later[1:] or later  # the second step can still settle: time from the third
-            result["step_seconds"] = statistics.median(s[0] for s in timed)
+    # Exceptions: tf.errors.OpError, or a model that cannot train.
+    steps, error = h.measure_steps(meter, lambda: model.train_on_batch(x, y), spec["steps"],
+                                   Exception)
+    if error is not None:
+        result.update(status=h.classify_error(type(error).__name__, str(error)),
+                      message=_first_line(error), failed_step=len(steps) + 1)
+    result.update(h.step_figures(steps, meter.available))
     if dev.kind == "cpu" and limit and result["status"] == "fits":
         peak = result.get("total_peak_bytes") or 0
         if peak > limit * MIB:  # the CPU has no memory_limit: compared, not enforced
@@ -264,7 +250,7 @@ def search(run, variant, measured, args):
         trials[measured["batch"]] = measured
     peak = max(measured.get("first_peak_bytes") or 0, measured.get("steady_peak_bytes") or 0)
     resident = measured.get("resident_bytes") or 0
-    if measured.get("status") == "fits" and peak > 0:
+    if peak > 0:  # measured (on the CPU also when over the limit): scaled to the limit
         start, step = h.search_start({measured["batch"]: peak}, (limit * MIB - resident) / MIB,
                                      g, measured["batch"])
     else:
