@@ -78,7 +78,8 @@ def _stage(result, stage):
 
 
 def worker(spec):
-    tf, dev = h.start_tensorflow(spec["device"], memory_limit_mib=spec["limit"] or None)
+    tf, dev = h.start_tensorflow(spec["device"], memory_limit_mib=spec["limit"] or None,
+                                 inter_op_threads=spec.get("inter_op_threads"))
     import keras
     import tf_relupool
     from tf_relupool import grappler, keras_fusion
@@ -189,7 +190,8 @@ class Run:
         a = self.args
         spec = {"model": self.model, "source": self.source, "input_shape": a.input_shape,
                 "variant": variant, "batch": batch, "steps": steps, "limit": limit,
-                "jit_compile": a.jit_compile, "device": a.device}
+                "jit_compile": a.jit_compile, "device": a.device,
+                "inter_op_threads": a.inter_op_threads}
         env = h.trial_env() if limit else dict(os.environ)
         env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
         env.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "true")  # statistics on the CPU
@@ -429,6 +431,9 @@ def parse_args(argv=None):
     p.add_argument("--trial-timeout", type=_positive, default=1800, metavar="SECONDS")
     p.add_argument("--device", choices=h.DEVICE_CHOICES, default="auto",
                    help="auto (default): the GPU when TensorFlow sees one, else the CPU")
+    p.add_argument("--inter-op-threads", type=int, default=1,
+                   help="TensorFlow's inter-op parallelism in each trial (default 1: repeatable "
+                        "peaks, as the benchmarks measure; 0: TensorFlow's default)")
     p.add_argument("--json", default=None, metavar="FILE", help="the raw figures as JSON")
     p.add_argument("--plot", default=None, metavar="FILE.png", help="a bar chart (matplotlib)")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
