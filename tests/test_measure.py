@@ -158,3 +158,25 @@ def test_usage_errors_found_by_the_first_trial(capsys, tmp_path, small_model):
     msg = _usage_error(capsys, [str(path), "--memory-limit", "1", "--steps", "2",
                                 "--batch-size", "2"])
     assert "--memory-limit 1 MiB is below the model's resident memory" in msg
+
+
+def test_what_the_first_trial_says_is_a_usage_error():
+    """Out of memory before the first step under a limit is a limit below resident (a GPU that
+    cannot even hold the weights fails while loading); a timeout, or an out-of-memory error in a
+    step, is no usage error (the table's note and exit status 1 say it)."""
+    import types
+    args = types.SimpleNamespace(memory_limit=64, model="m.keras", source="file",
+                                 input_shape=None)
+    for r in ({"status": "oom", "stage": "load", "message": "OOM"},
+              {"status": "oom", "stage": "start", "message": "exit status 1: OOM"},
+              {"status": "oom", "stage": "step", "resident_bytes": 65 * MIB, "message": "x"}):
+        with pytest.raises(measure.UsageError, match="--memory-limit 64 MiB is below"):
+            measure._check_first(args, r)
+    for r in ({"status": "timeout", "stage": "start", "message": "no answer within 9 s"},
+              {"status": "oom", "stage": "step", "resident_bytes": MIB, "message": "OOM"},
+              {"status": "fits", "stage": "done"}):
+        measure._check_first(args, r)
+    with pytest.raises(measure.UsageError, match="cannot load model m.keras"):
+        measure._check_first(args, {"status": "error", "stage": "load", "message": "bad zip"})
+    args.memory_limit = None
+    measure._check_first(args, {"status": "oom", "stage": "start", "message": "x"})

@@ -53,7 +53,8 @@ def _first_line(e):
 
 
 def _build(keras, spec):
-    """The model, stage by stage: ("load", model) or raises with the stage in args."""
+    """The model `spec` names: a .keras file loaded without compiling, or a keras.applications
+    model built with weights=None (and the input shape asked for)."""
     if spec["source"] == "file":
         model = keras.saving.load_model(spec["model"], compile=False)
     else:
@@ -213,7 +214,8 @@ class Run:
             where = f" at step {r['failed_step']}" if r.get("failed_step") else \
                 f" (stage {r.get('stage')})"
             return f"{r['status']}{where}: {r.get('message', '')[:200]}"
-        text = (f"{'fits' if r['status'] == 'fits' else r['status'] + ' (' + r.get('message', '') + ')'}; steady peak {_mib(r.get('steady_peak_bytes'))} MiB, first step "
+        status = "fits" if r["status"] == "fits" else f"{r['status']} ({r.get('message', '')})"
+        text = (f"{status}; steady peak {_mib(r.get('steady_peak_bytes'))} MiB, first step "
                 f"{_mib(r.get('first_peak_bytes'))} MiB")
         if r.get("step_seconds"):
             text += f", {1e3 * r['step_seconds']:.1f} ms/step"
@@ -227,18 +229,19 @@ def _check_first(args, r):
     stage, msg = r.get("stage"), r.get("message", "")
     if r["status"] == "fits":
         return
+    before_first_step = stage not in ("step", "done")
+    if args.memory_limit and r["status"] == "oom" and (
+            before_first_step or (r.get("resident_bytes") or 0) > args.memory_limit * MIB):
+        resident = (f" (resident {_mib(r['resident_bytes'])} MiB)"
+                    if r.get("resident_bytes") else "")
+        raise UsageError(f"--memory-limit {args.memory_limit} MiB is below the model's resident "
+                         f"memory{resident}: the trial failed before its first step: {msg}")
     if stage == "load" and not (args.source == "application" and args.input_shape):
         raise UsageError(f"cannot load model {args.model}: {msg}")
     if stage in ("load", "input"):
         what = (f"bad --input-shape {','.join(map(str, args.input_shape))} for {args.model}"
                 if args.input_shape else f"cannot use model {args.model}")
         raise UsageError(f"{what}: {msg}")
-    if args.memory_limit and (stage in ("start", "build") or (
-            stage == "step" and r.get("resident_bytes", 0) > args.memory_limit * MIB)):
-        resident = (f" (resident {_mib(r['resident_bytes'])} MiB)"
-                    if r.get("resident_bytes") else "")
-        raise UsageError(f"--memory-limit {args.memory_limit} MiB is below the model's resident "
-                         f"memory{resident}: the trial failed before its first step: {msg}")
     if stage == "build" and args.source == "application" and args.input_shape:
         raise UsageError(f"bad --input-shape {','.join(map(str, args.input_shape))} for "
                          f"{args.model}: {msg}")
@@ -408,7 +411,7 @@ def parse_args(argv=None):
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog=__doc__.split("\n\n", 1)[1])
     p.add_argument("model", help="a .keras file, or a keras.applications name (VGG16, ...)")
-    p.add_argument("--batch-size", type=_positive, default=32)
+    p.add_argument("--batch-size", type=_positive, default=32, help="(default 32)")
     p.add_argument("--input-shape", type=_input_shape, default=None, metavar="H,W,C",
                    help="the input shape without the batch (default: the model's own)")
     p.add_argument("--memory-limit", type=_positive, default=None, metavar="MiB",
