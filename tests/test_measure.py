@@ -180,3 +180,21 @@ def test_what_the_first_trial_says_is_a_usage_error():
         measure._check_first(args, {"status": "error", "stage": "load", "message": "bad zip"})
     args.memory_limit = None
     measure._check_first(args, {"status": "oom", "stage": "start", "message": "x"})
+
+
+def test_xla_counts_the_pairs_fused_where_keras_traces(small_model, tmp_path):
+    """--jit-compile true on the CPU: the switch's pairs are counted by the trace-time fusion
+    (tf_relupool.keras_fusion.stats()), and its peak is lower than stock's under XLA too."""
+    out_json = tmp_path / "x.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "tf_relupool.measure", small_model, "--batch-size", "8",
+         "--steps", "2", "--jit-compile", "true", "--quiet", "--json", str(out_json)],
+        capture_output=True, text=True, env=_env(), timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(out_json.read_text())
+    stock, switch = report["variants"]["stock"], report["variants"]["switch"]
+    assert report["jit_effective"] is True and "jit_compile=true (XLA)" in proc.stdout
+    assert switch["fused_by"] == "XLA" and switch["fused"] >= 2, switch
+    assert switch["steady_peak_bytes"] < stock["steady_peak_bytes"]
+    assert _rows(proc.stdout)["enable_recompute()"][-1] == f"{switch['fused']} (XLA)"
+    assert not [l for l in proc.stderr.splitlines() if l.startswith("measure [")]  # --quiet
