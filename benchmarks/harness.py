@@ -3,34 +3,33 @@ processes that train them, the largest-batch search, telling out-of-memory from 
 and where a report's commit and op library come from. No TensorFlow import: the drivers never
 start TensorFlow themselves, their worker processes do.
 
+Defined here:
 - MODELS / VARIANTS / VARIANT_LABELS, build_model, synthetic_batch, train_step: the models of
   examples/models.py and keras.applications, stock or fused, compiled for SGD training, and one
   training step of a variant (the switch on during a switched variant's steps only).
-- start_tensorflow: a worker's TensorFlow, configured before it starts (examples/devices.py).
-- print_result / read_result / run_worker: the worker protocol. A worker prints its answer as one
-  line `RESULT <json>` on stdout, or `DEVICE_ERROR <message>` (exit status 3) when the device
-  asked for cannot be used; the driver reads the last such line.
 - probe_device / detect_device: the device TensorFlow would measure here, asked in a subprocess
   (`python harness.py DEVICE` is that subprocess).
-- bracket_and_bisect / largest_fitting / search_start: the largest batch for which a monotone
-  `fits(batch)` holds, from a guess, with as few trials as bracketing and bisection need.
-- classify_error / OOM_HINTS: "oom" for ResourceExhaustedError and for the cuDNN/cuBLAS errors
-  that are out-of-memory in disguise.
-- trial_env / run_fresh: one fresh process per trial (a memory_limit must be set before
-  TensorFlow starts, and an OOM can leave a process unusable), its status read from its exit.
-- git_head / library_built: the commit a report was measured at, when the op library was built.
+- git_head: the commit a report was measured at.
+
+Re-exported from the package's tf_relupool/_harness.py (one copy, which `python -m
+tf_relupool.measure` uses where the package is installed; its docstring has the details), loaded
+without tf_relupool's __init__ through examples/devices.py:
+- start_tensorflow: a worker's TensorFlow, configured before it starts.
+- print_result / leave / read_result / run_worker: the worker protocol (`RESULT <json>` or
+  `DEVICE_ERROR <message>` with exit status 3, the last such line read by the driver).
+- bracket_and_bisect / largest_fitting / search_start / round_down: the largest-batch search.
+- classify_error / OOM_HINTS: "oom" for out-of-memory errors, also in disguise.
+- trial_env / run_fresh / tail: one fresh process per trial, its status read from its exit.
+- library_built: when the op library was built.
+- measure_steps / step_figures: timed steps under a StepMemory, and a worker's figures of them.
 
 Importing this module puts examples/ on sys.path (devices.py, models.py).
 """
 import contextlib
-import datetime
 import glob
-import importlib.util
-import json
 import os
 import subprocess
 import sys
-import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -40,15 +39,18 @@ if EXAMPLES not in sys.path:
 
 import devices  # noqa: E402  (examples/devices.py; no TensorFlow import)
 
-MIB = 2.0 ** 20
-# Messages of errors that are out-of-memory in disguise (cuDNN or cuBLAS failing to allocate).
-OOM_HINTS = ("out of memory", "oom when allocating", "resource exhausted", "resourceexhausted",
-             "failed to get convolution algorithm", "cudnn_status_alloc_failed",
-             "cudnn_status_not_initialized", "cublas_status_alloc_failed",
-             "failed to allocate", "dnn library initialization failed",
-             "dst tensor is not initialized", "failed copying input tensor")
-RESULT = "RESULT "
-DEVICE_ERROR = "DEVICE_ERROR "
+# The worker protocol, the search, trials and the devices live in the package
+# (tf_relupool/_harness.py), where `python -m tf_relupool.measure` uses them; loaded without
+# tf_relupool's __init__, so that no TensorFlow starts here.
+_h = devices.load_harness()
+MIB, OOM_HINTS, RESULT, DEVICE_ERROR = _h.MIB, _h.OOM_HINTS, _h.RESULT, _h.DEVICE_ERROR
+start_tensorflow, print_result, leave = _h.start_tensorflow, _h.print_result, _h.leave
+read_result, run_worker = _h.read_result, _h.run_worker
+round_down, bracket_and_bisect, largest_fitting = _h.round_down, _h.bracket_and_bisect, \
+    _h.largest_fitting
+search_start, classify_error, tail = _h.search_start, _h.classify_error, _h.tail
+trial_env, run_fresh, library_built = _h.trial_env, _h.run_fresh, _h.library_built
+measure_steps, step_figures = _h.measure_steps, _h.step_figures
 
 # examples/models.py's CIFAR-10 models (32x32x3, 10 classes), then keras.applications models
 # at 224x224x3 with 1000 classes (weights=None), as users train them.
@@ -136,58 +138,8 @@ def train_step(model, x, y, variant="stock"):
 
 
 # ---------------------------------------------------------------------------------------------
-# Worker processes.
+# The device probe.
 # ---------------------------------------------------------------------------------------------
-def start_tensorflow(device, memory_limit_mib=None, layout_optimizer=None, remapper=None,
-                     cudnn_workspace_mib=None, cudnn_autotune=None, inter_op_threads=None):
-    """Imports and configures TensorFlow in a worker (devices.prepare_environment, then
-    devices.setup): (tf, devices.Device). When `device` cannot be used the worker prints
-    DEVICE_ERROR and exits with status 3 (read_result raises the error in the driver)."""
-    devices.prepare_environment(memory_limit_mib=memory_limit_mib,
-                                cudnn_workspace_mib=cudnn_workspace_mib,
-                                cudnn_autotune=cudnn_autotune)
-    try:
-        return devices.setup(device, memory_limit_mib=memory_limit_mib,
-                             layout_optimizer=layout_optimizer, remapper=remapper,
-                             inter_op_threads=inter_op_threads)
-    except devices.DeviceError as e:
-        print(f"{DEVICE_ERROR}{e}", flush=True)
-        sys.exit(3)
-
-
-def print_result(value):
-    """A worker's answer: one line on stdout, RESULT and `value` as JSON."""
-    print(RESULT + json.dumps(value), flush=True)
-
-
-def leave():
-    """Ends a worker whose answer is printed, without TensorFlow's teardown (after an
-    out-of-memory error on a GPU it can take long, and nothing is left to clean up)."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
-
-
-def read_result(stdout):
-    """A worker's answer from its stdout: the value of its last RESULT line, None when it printed
-    none; devices.DeviceError when its last word was DEVICE_ERROR instead."""
-    lines = [l for l in stdout.splitlines() if l.startswith((RESULT, DEVICE_ERROR))]
-    if not lines:
-        return None
-    if lines[-1].startswith(DEVICE_ERROR):
-        raise devices.DeviceError(lines[-1][len(DEVICE_ERROR):])
-    return json.loads(lines[-1][len(RESULT):])
-
-
-def run_worker(cmd, timeout=None):
-    """Runs a worker process to its end: (its answer, or None when it exited with an error status
-    or printed none; the CompletedProcess, for the caller's message). subprocess.TimeoutExpired
-    after `timeout` seconds; devices.DeviceError as read_result raises it."""
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
-    answer = read_result(proc.stdout)
-    return (answer if proc.returncode == 0 else None), proc
-
-
 def probe_device(device="auto", timeout=300):
     """The device a worker measures here ({"kind", "name", "description", ...}), by asking
     TensorFlow in a subprocess (so that this process never initialises TensorFlow)."""
@@ -207,141 +159,8 @@ def detect_device():
 
 
 # ---------------------------------------------------------------------------------------------
-# The largest-batch search.
+# Where a report comes from.
 # ---------------------------------------------------------------------------------------------
-def round_down(value, granularity):
-    return (int(value) // granularity) * granularity
-
-
-def bracket_and_bisect(fits, start, up, down, middle, narrow):
-    """The largest batch b with fits(b), assuming that fits is monotone (True up to some batch,
-    False above), by a search policy: from `start`, up(lo) (while fits holds) or down(hi) (while
-    it does not) names the next batch to try until the answer is bracketed, then middle(lo, hi)
-    splits the bracket until narrow(lo, hi). up() returning None: lo is the answer; down()
-    returning None: nothing fits (0). fits() is called at most once per batch size.
-    Returns (batch, {batch: fits(batch)})."""
-    seen = {}
-
-    def check(b):
-        if b not in seen:
-            seen[b] = bool(fits(b))
-        return seen[b]
-
-    lo, hi = (start, None) if check(start) else (None, start)
-    while lo is None or hi is None:  # up while everything tried fits, else down
-        b = up(lo) if hi is None else down(hi)
-        if b is None:
-            return (lo if hi is None else 0), seen
-        if check(b):
-            lo = b
-        else:
-            hi = b
-    while not narrow(lo, hi):
-        mid = middle(lo, hi)
-        if check(mid):
-            lo = mid
-        else:
-            hi = mid
-    return lo, seen
-
-
-def largest_fitting(fits, start, granularity=64, step=None, highest=1 << 16):
-    """The largest multiple of `granularity` b <= `highest` with fits(b), assuming that fits is
-    monotone (True up to some batch, False above); 0 when even `granularity` does not fit.
-
-    Starts at `start` (rounded down to the granularity), moves up while fits() holds (or down
-    while it does not, never below half the batch that failed) by `step` (default: `start`,
-    i.e. doubling, or halving), doubling the step each time, until the answer is bracketed;
-    then bisects the bracket down to one granularity.
-    fits() is called at most once per batch size. Returns (batch, {batch: fits(batch)})."""
-    g = int(granularity)
-    if g <= 0:
-        raise ValueError(f"granularity must be > 0, got {granularity}")
-    highest = max(g, round_down(highest, g))
-    start = min(highest, max(g, round_down(start, g)))
-    step = max(g, round_down(step if step else start, g))
-
-    def up(lo):
-        nonlocal step
-        if lo == highest:
-            return None
-        b, step = min(highest, lo + step), step * 2
-        return b
-
-    def down(hi):
-        nonlocal step
-        if hi == g:
-            return None
-        # Down by the step, but never below half of the failing batch: from a guess
-        # without a measurement (step = start) this halves.
-        b, step = max(g, hi - step, round_down(hi // 2, g)), step * 2
-        return b
-
-    return bracket_and_bisect(fits, start, up, down,
-                              middle=lambda lo, hi: lo + ((hi - lo) // (2 * g)) * g,
-                              narrow=lambda lo, hi: hi - lo <= g)
-
-
-def search_start(peaks, limit_mib, granularity, fallback):
-    """(start, step) for largest_fitting from measured peaks {batch: peak bytes}: the batch whose
-    peak, scaled linearly from the largest measured batch, is 90% of the limit; an eighth of it as
-    the first step. `fallback` (and doubling) when nothing was measured."""
-    if not peaks:
-        return fallback, fallback
-    batch = max(peaks)
-    per_sample = peaks[batch] / batch
-    if per_sample <= 0:
-        return fallback, fallback
-    start = max(granularity, round_down(0.9 * limit_mib * MIB / per_sample, granularity))
-    return start, max(granularity, round_down(start / 8, granularity))
-
-
-# ---------------------------------------------------------------------------------------------
-# Trials: out-of-memory errors, fresh processes; where a report comes from.
-# ---------------------------------------------------------------------------------------------
-def classify_error(exc_type, message):
-    """'oom' for out-of-memory errors (also cuDNN/cuBLAS allocation failures), else 'error'."""
-    text = f"{exc_type} {message}".lower()
-    if exc_type == "ResourceExhaustedError" or any(h in text for h in OOM_HINTS):
-        return "oom"
-    return "error"
-
-
-def tail(text, n=3000):
-    return text[-n:] if text else ""
-
-
-def trial_env(base=None):
-    """The environment of a process that sets a GPU memory_limit: no TF_FORCE_GPU_ALLOW_GROWTH
-    (growth and a fixed limit are alternatives), TensorFlow's INFO/WARNING lines off (an OOM
-    dumps the allocator's state at WARNING)."""
-    env = dict(os.environ if base is None else base)
-    env.pop("TF_FORCE_GPU_ALLOW_GROWTH", None)
-    env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    return env
-
-
-def run_fresh(cmd, timeout, env=None, cwd=None):
-    """Runs one trial process: {"status": "fits"|"oom"|"crash"|"timeout", "seconds",
-    "message" (the last line of stderr when it failed), "stdout"}."""
-    start = time.time()
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
-                              env=trial_env() if env is None else env, cwd=cwd)
-    except subprocess.TimeoutExpired:
-        return {"status": "timeout", "seconds": round(time.time() - start, 1),
-                "message": f"no answer within {timeout} s", "stdout": ""}
-    out = {"seconds": round(time.time() - start, 1), "stdout": proc.stdout}
-    if proc.returncode == 0:
-        out["status"] = "fits"
-    else:
-        err = tail(proc.stderr, 4000)
-        last = [l for l in err.splitlines() if l.strip()][-1:] or [""]
-        out["status"] = "oom" if classify_error("", err) == "oom" else "crash"
-        out["message"] = f"exit status {proc.returncode}: {last[0][:300]}"
-    return out
-
-
 def git_head():
     """The short commit of the checkout the benchmarks run from, or None outside git."""
     try:
@@ -349,17 +168,6 @@ def git_head():
                               capture_output=True, text=True, timeout=30).stdout.strip() or None
     except (OSError, subprocess.SubprocessError):
         return None
-
-
-def library_built():
-    """When the op library the workers load (tf_relupool's _relu_max_pool_ops.so) was built,
-    "YYYY-MM-DD HH:MM", found without importing it; None when there is none."""
-    spec = importlib.util.find_spec("tf_relupool")
-    if spec and spec.origin:
-        so = os.path.join(os.path.dirname(spec.origin), "_relu_max_pool_ops.so")
-        if os.path.exists(so):
-            return f"{datetime.datetime.fromtimestamp(os.path.getmtime(so)):%Y-%m-%d %H:%M}"
-    return None
 
 
 if __name__ == "__main__":  # probe_device's subprocess: python harness.py auto|cpu|gpu

@@ -51,9 +51,9 @@ if HERE not in sys.path:
     sys.path.insert(0, HERE)
 
 from harness import (MIB, MODELS, VARIANT_LABELS, VARIANTS, ReportError, build_model,  # noqa: E402
-                     classify_error, git_head, leave, library_built, print_result, read_result,
-                     run_worker, start_tensorflow, synthetic_batch, tail, train_step,
-                     trial_env)
+                     classify_error, git_head, leave, library_built, measure_steps,
+                     print_result, read_result, run_worker, start_tensorflow, step_figures,
+                     synthetic_batch, tail, train_step, trial_env)
 import devices  # noqa: E402  (examples/devices.py; no TensorFlow import)
 
 # Study levers: environment settings of a variant's processes (set before TensorFlow starts).
@@ -136,11 +136,10 @@ def worker(args):
         model = build_model(tf, args.model, base)
         x, y = synthetic_batch(tf, args.batch, model=model)
         result["jit_compile"] = str(model.jit_compile)
-        for _ in range(args.steps):
-            meter.begin()
-            start = time.perf_counter()
-            train_step(model, x, y, base)
-            steps.append((time.perf_counter() - start, meter.end(), meter.total_peak()))
+        steps, error = measure_steps(meter, lambda: train_step(model, x, y, base), args.steps,
+                                     tf.errors.OpError)
+        if error is not None:
+            raise error
     except tf.errors.OpError as e:
         message = str(e).strip().splitlines()[0][:400] if str(e).strip() else ""
         result["status"] = classify_error(type(e).__name__, message)
@@ -149,17 +148,7 @@ def worker(args):
         result["failed_step"] = len(steps) + 1
     result["resident_bytes"] = (tf.config.experimental.get_memory_info(dev.name)["current"]
                                 if meter.available else None)
-    if steps:
-        result["first_step_seconds"] = steps[0][0]
-        result["first_peak_bytes"] = steps[0][1]
-        result["total_peak_bytes"] = max(s[2] for s in steps) if meter.available else None
-        later = steps[1:]
-        if later:
-            result["steady_peak_bytes"] = statistics.median(s[1] for s in later) \
-                if meter.available else None
-            timed = later[1:] or later  # the second step can still settle: time from the third
-            result["step_seconds"] = statistics.median(s[0] for s in timed)
-            result["step_seconds_all"] = [s[0] for s in timed]
+    result.update(step_figures(steps, meter.available))
     if dev.kind == "cpu" and args.limit and result["status"] == "fits":
         peak = result.get("total_peak_bytes") or 0
         if peak > args.limit * MIB:  # the CPU has no memory_limit: compared, not enforced

@@ -1,0 +1,200 @@
+"""python -m tf_relupool.measure on the CPU: its table, JSON and plot for a small conv -> ReLU ->
+max-pool model saved as .keras (the switch's peak lower than stock's, pairs fused, the largest
+batch under a limit), and each usage error as argparse's exit status 2 with a message naming the
+problem."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MIB = 2 ** 20
+
+from tf_relupool import measure  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def small_model(tmp_path_factory):
+    """Two conv (ReLU) + 2x2 max-pool blocks and a 10-class head (logits), 32x32x3."""
+    import keras
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([
+        keras.Input((32, 32, 3)),
+        keras.layers.Conv2D(32, 3, padding="same", activation="relu"),
+        keras.layers.MaxPooling2D(2),
+        keras.layers.Conv2D(32, 3, padding="same", activation="relu"),
+        keras.layers.MaxPooling2D(2),
+        keras.layers.Flatten(),
+        keras.layers.Dense(10),
+    ])
+    path = tmp_path_factory.mktemp("measure") / "small.keras"
+    model.save(path)
+    return str(path)
+
+
+def _env():
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", CUDA_VISIBLE_DEVICES="")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [ROOT, env.get("PYTHONPATH")]))
+    return env
+
+
+def _rows(table):
+    """{first cell: [cells]} of the Markdown table's body rows."""
+    rows = [l for l in table.splitlines() if l.startswith("| ") and not l.startswith("| variant")]
+    return {cells[0]: cells for cells in ([c.strip() for c in r.strip("|").split("|")]
+                                          for r in rows)}
+
+
+def test_table_json_and_plot_for_a_small_model(small_model, tmp_path):
+    """One run of the command as a user types it: a progress line per trial, the table with
+    stock and the switch (lower peaks, pairs fused by the Grappler pass: no XLA on the CPU), the
+    largest batch under the limit (the switch's at least stock's), the JSON and the plot."""
+    limit, g = 6, 8
+    out_json, out_png = tmp_path / "m.json", tmp_path / "m.png"
+    proc = subprocess.run(
+        [sys.executable, "-m", "tf_relupool.measure", small_model, "--batch-size", "16",
+         "--steps", "3", "--memory-limit", str(limit), "--largest-batch", "--granularity",
+         str(g), "--max-batch", "64", "--json", str(out_json), "--plot", str(out_png)],
+        capture_output=True, text=True, env=_env(), timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    progress = [l for l in proc.stderr.splitlines() if l.startswith("measure [")]
+    report = json.loads(out_json.read_text())
+    v = report["variants"]
+    searched = len(v["stock"]["search"]) + len(v["switch"]["search"])
+    # The two measurements, then one line per search trial (a measured batch that fitted is
+    # not tried again).
+    reused = sum(1 for k in v if v[k]["status"] == "fits"
+                 and any(t["batch"] == 16 for t in v[k]["search"]))
+    assert len(progress) == 2 + searched - reused, proc.stderr[-3000:]
+    assert "stock, batch 16 under 6 MiB" in progress[0]
+    assert "enable_recompute(), batch 16" in progress[1]
+
+    # The JSON's fields.
+    for key in ("model", "source", "batch_size", "input_shape", "output_shape", "params", "loss",
+                "device", "jit_compile", "jit_effective", "memory_limit_mib", "resident_bytes",
+                "variants", "meta"):
+        assert key in report, key
+    assert report["input_shape"] == [32, 32, 3] and report["output_shape"] == [10]
+    assert report["loss"] == "sparse_categorical_crossentropy"
+    assert report["device"]["kind"] == "cpu" and report["jit_effective"] is False
+    for k in ("stock", "switch"):
+        for key in ("status", "steady_peak_bytes", "first_peak_bytes", "total_peak_bytes",
+                    "step_seconds", "resident_bytes", "largest_batch", "search"):
+            assert key in v[k], (k, key)
+    stock, switch = v["stock"], v["switch"]
+    assert switch["steady_peak_bytes"] < stock["steady_peak_bytes"]
+    assert switch["first_peak_bytes"] < stock["first_peak_bytes"]
+    assert switch["fused"] >= 2 and switch["fused_by"] == "Grappler"
+    assert "fused" not in stock
+    # The search: multiples of g; the answer fits, the next multiple tried does not.
+    for r in (stock, switch):
+        trials = {t["batch"]: t["status"] for t in r["search"]}
+        best = r["largest_batch"]
+        assert best % g == 0 and 0 <= best <= 64, r["search"]
+        assert best == 0 or trials[best] == "fits", r["search"]
+        assert all(s != "fits" for b, s in trials.items() if b > best), r["search"]
+        assert best == 64 or trials.get(best + g) == "oom", r["search"]
+    assert switch["largest_batch"] >= stock["largest_batch"] > 0
+
+    # The table says the same.
+    rows = _rows(proc.stdout)
+    assert set(rows) == {"stock", "enable_recompute()"}, proc.stdout
+    header = [l for l in proc.stdout.splitlines() if l.startswith("| variant")][0]
+    assert "steady peak MiB" in header and "first-step peak MiB" in header
+    assert "step ms (median)" in header and "largest batch under 6 MiB" in header
+    assert "ReLU+pool pairs fused" in header
+    s, f = rows["stock"], rows["enable_recompute()"]
+    assert s[1] == f"{stock['steady_peak_bytes'] / MIB:.1f}"
+    ratio = switch["steady_peak_bytes"] / stock["steady_peak_bytes"]
+    assert f[1] == f"{switch['steady_peak_bytes'] / MIB:.1f} ({ratio:.2f}x)"
+    assert f[2].startswith(f"{switch['first_peak_bytes'] / MIB:.1f} (")
+    assert s[4] == str(stock["largest_batch"]) and f[4].startswith(str(switch["largest_batch"]))
+    assert s[5] == "-" and f[5] == f"{switch['fused']} (Grappler)"
+    assert "CPU:0" in proc.stdout and "jit_compile=auto (no XLA)" in proc.stdout
+    assert out_png.stat().st_size > 1000
+
+
+def _usage_error(capsys, argv):
+    """The message of a usage error (exit status 2), run in this process."""
+    with pytest.raises(SystemExit) as e:
+        measure.main(argv + ["--quiet"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    lines = [l for l in err.splitlines() if "error:" in l]
+    assert len(lines) == 1, err
+    return lines[0]
+
+
+def test_usage_errors_without_a_trial(capsys, tmp_path, small_model):
+    assert "model file" in _usage_error(capsys, [str(tmp_path / "nope.keras")])
+    assert "does not exist" in _usage_error(capsys, [str(tmp_path / "nope.keras")])
+    msg = _usage_error(capsys, ["VGG17"])
+    assert "unknown model 'VGG17'" in msg and "VGG16" in msg
+    assert "--input-shape" in _usage_error(capsys, [small_model, "--input-shape", "0,3"])
+    assert "--input-shape" in _usage_error(capsys, [small_model, "--input-shape", "a,b"])
+    assert "--memory-limit" in _usage_error(capsys, [small_model, "--largest-batch"])
+    assert "--batch-size" in _usage_error(capsys, [small_model, "--batch-size", "0"])
+    assert "--jit-compile" in _usage_error(capsys, [small_model, "--jit-compile", "maybe"])
+
+
+def test_usage_errors_found_by_the_first_trial(capsys, tmp_path, small_model):
+    """A file that is no Keras model, an input shape the model cannot take, and a limit below
+    what the model holds before its first step (its weights: the CPU compares the resident
+    bytes with the limit)."""
+    bad = tmp_path / "bad.keras"
+    bad.write_text("not a model")
+    msg = _usage_error(capsys, [str(bad), "--steps", "2"])
+    assert msg.split("error: ", 1)[1].startswith(f"cannot load model {bad}")
+    msg = _usage_error(capsys, [small_model, "--input-shape", "32,32", "--steps", "2"])
+    assert "bad --input-shape 32,32" in msg
+    import keras
+    big = keras.Sequential([keras.Input((8, 8, 3)), keras.layers.Conv2D(8, 3, activation="relu"),
+                            keras.layers.MaxPooling2D(2), keras.layers.Flatten(),
+                            keras.layers.Dense(1 << 14), keras.layers.Dense(1)])  # 4.6 MiB
+    path = tmp_path / "big.keras"
+    big.save(path)
+    msg = _usage_error(capsys, [str(path), "--memory-limit", "1", "--steps", "2",
+                                "--batch-size", "2"])
+    assert "--memory-limit 1 MiB is below the model's resident memory" in msg
+
+
+def test_what_the_first_trial_says_is_a_usage_error():
+    """Out of memory before the first step under a limit is a limit below resident (a GPU that
+    cannot even hold the weights fails while loading); a timeout, or an out-of-memory error in a
+    step, is no usage error (the table's note and exit status 1 say it)."""
+    import types
+    args = types.SimpleNamespace(memory_limit=64, model="m.keras", source="file",
+                                 input_shape=None)
+    for r in ({"status": "oom", "stage": "load", "message": "OOM"},
+              {"status": "oom", "stage": "start", "message": "exit status 1: OOM"},
+              {"status": "oom", "stage": "step", "resident_bytes": 65 * MIB, "message": "x"}):
+        with pytest.raises(measure.UsageError, match="--memory-limit 64 MiB is below"):
+            measure._check_first(args, r)
+    for r in ({"status": "timeout", "stage": "start", "message": "no answer within 9 s"},
+              {"status": "oom", "stage": "step", "resident_bytes": MIB, "message": "OOM"},
+              {"status": "fits", "stage": "done"}):
+        measure._check_first(args, r)
+    with pytest.raises(measure.UsageError, match="cannot load model m.keras"):
+        measure._check_first(args, {"status": "error", "stage": "load", "message": "bad zip"})
+    args.memory_limit = None
+    measure._check_first(args, {"status": "oom", "stage": "start", "message": "x"})
+
+
+def test_xla_counts_the_pairs_fused_where_keras_traces(small_model, tmp_path):
+    """--jit-compile true on the CPU: the switch's pairs are counted by the trace-time fusion
+    (tf_relupool.keras_fusion.stats()), and its peak is lower than stock's under XLA too."""
+    out_json = tmp_path / "x.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "tf_relupool.measure", small_model, "--batch-size", "8",
+         "--steps", "2", "--jit-compile", "true", "--quiet", "--json", str(out_json)],
+        capture_output=True, text=True, env=_env(), timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(out_json.read_text())
+    stock, switch = report["variants"]["stock"], report["variants"]["switch"]
+    assert report["jit_effective"] is True and "jit_compile=true (XLA)" in proc.stdout
+    assert switch["fused_by"] == "XLA" and switch["fused"] >= 2, switch
+    assert switch["steady_peak_bytes"] < stock["steady_peak_bytes"]
+    assert _rows(proc.stdout)["enable_recompute()"][-1] == f"{switch['fused']} (XLA)"
+    assert not [l for l in proc.stderr.splitlines() if l.startswith("measure [")]  # --quiet
