@@ -19,7 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import tf_relupool
-from tf_relupool import keras_fusion, xla
+from tf_relupool import gradient_sources, keras_fusion, xla
 from conftest import DTYPES, assert_bitwise_equal
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -325,11 +325,13 @@ def _keras_max_pool():
 
 def test_wrapper_installed_only_while_the_switch_is_on():
     original = _keras_max_pool()
-    assert not keras_fusion.installed()
+    gradient = tf.GradientTape.gradient
+    assert not keras_fusion.installed() and not gradient_sources.installed()
     tf_relupool.enable_recompute()
     assert keras_fusion.installed() and _keras_max_pool() is not original
+    assert gradient_sources.installed() and tf.GradientTape.gradient is not gradient
     tf_relupool.disable_recompute()
-    assert _keras_max_pool() is original
+    assert _keras_max_pool() is original and tf.GradientTape.gradient is gradient
     with tf_relupool.recompute():
         assert keras_fusion.installed()
         with tf_relupool.recompute(None):
@@ -405,6 +407,108 @@ def test_relu_with_another_consumer_still_exact():
             assert_bitwise_equal(g, r)
         else:  # TF 2.18's XLA sums the two branches in another order (docs/xla.md)
             np.testing.assert_allclose(g.numpy(), r.numpy(), rtol=1e-5, atol=1e-7)
+
+
+def _activation_model(other_consumer, pad=False, data_format="channels_last"):
+    """A Grad-CAM model: outputs the ReLU's output `a` and the logits; with `other_consumer`,
+    `a` also feeds a second branch added to the logits."""
+    keras.utils.set_random_seed(2)
+    shape = (10, 10, 3) if data_format == "channels_last" else (3, 10, 10)
+    inputs = keras.Input(shape)
+    a = keras.layers.ReLU()(keras.layers.Conv2D(4, 3, padding="same",
+                                                data_format=data_format)(inputs))
+    x = keras.layers.ZeroPadding2D(1, data_format=data_format)(a) if pad else a
+    x = keras.layers.MaxPooling2D(2, data_format=data_format)(x)
+    logits = keras.layers.Dense(3)(keras.layers.Flatten()(x))
+    if other_consumer:
+        b = keras.layers.GlobalAveragePooling2D(data_format=data_format)(a)
+        logits = keras.layers.Add()([logits, keras.layers.Dense(3)(b)])
+    return keras.Model(inputs, [a, logits])
+
+
+def _counts():
+    return keras_fusion.stats()["fused"], gradient_sources.stats()
+
+
+@pytest.mark.parametrize("other_consumer,pad,data_format", [
+    (False, False, "channels_last"), (True, False, "channels_last"),
+    (False, True, "channels_last"), (True, False, "channels_first")])
+def test_gradient_with_respect_to_the_relu_output_is_stock(other_consumer, pad, data_format):
+    """Grad-CAM: `tape.gradient(score, a)` where `a` is the ReLU's output that the fusion skips.
+    Stock's gradient bit for bit (never None, never the other branch's part alone), and with it
+    the weights' gradients of the same call; the fusion itself still happened."""
+    model = _activation_model(other_consumer, pad, data_format)
+    x = tf.random.stateless_normal((3,) + tuple(model.input.shape[1:]), seed=[9, 1])
+
+    @tf.function(jit_compile=True)
+    def step(x):
+        with tf.GradientTape() as tape:
+            a, logits = model(x)
+            score = tf.reduce_sum(logits[:, 1])
+        return tape.gradient(score, [a] + model.trainable_variables)
+    ref = step(x)
+    fused, routes = _counts()
+    with tf_relupool.recompute():
+        got = tf.function(step.python_function, jit_compile=True)(x)
+    assert keras_fusion.stats()["fused"] == fused + 1
+    assert gradient_sources.stats()["source"] == routes["source"] + 1
+    assert got[0] is not None
+    for g, r in zip(got, ref):
+        assert_bitwise_equal(g, r)
+
+
+def test_jacobians_and_tf_gradients_with_respect_to_the_relu_output_are_stock():
+    """jacobian/batch_jacobian go through tape.gradient (its sources recorded); tf.gradients has
+    no tape: the stock route, counted as "unknown"."""
+    model = _activation_model(True)
+    x = tf.random.stateless_normal((2, 10, 10, 3), seed=[9, 2])
+
+    def jacobians(x):
+        with tf.GradientTape(persistent=True) as tape:
+            a, logits = model(x)
+            score = logits[:, 1]
+        return tape.jacobian(score, a), tape.batch_jacobian(logits, a)
+
+    def symbolic(x):
+        a, logits = model(x)
+        return tf.gradients(tf.reduce_sum(logits), [a] + model.trainable_variables)
+    for fn, route in ((jacobians, "source"), (symbolic, "unknown")):
+        ref = tf.function(fn, jit_compile=True)(x)
+        fused, routes = _counts()
+        with tf_relupool.recompute():
+            got = tf.function(fn, jit_compile=True)(x)
+        assert keras_fusion.stats()["fused"] > fused
+        assert gradient_sources.stats()[route] > routes[route], fn.__name__
+        assert gradient_sources.stats()["fused"] == routes["fused"], fn.__name__
+        for g, r in zip(tf.nest.flatten(got), tf.nest.flatten(ref)):
+            assert_bitwise_equal(g, r, fn.__name__)
+
+
+def test_fit_of_a_model_that_outputs_its_activation_keeps_the_fused_backward_bitwise():
+    """Keras fit, loss on the activation and on the logits, jit_compile=True: the train step
+    takes gradients with respect to variables only, so the fused backward runs (the recorded
+    route), and the weights after two epochs are stock's bit for bit."""
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(16, 10, 10, 3)).astype("float32")
+    targets = [rng.normal(size=(16, 10, 10, 4)).astype("float32"), rng.integers(0, 3, size=(16,))]
+
+    def train():
+        model = _activation_model(True)
+        model.compile(keras.optimizers.SGD(0.1),
+                      ["mse", keras.losses.SparseCategoricalCrossentropy(from_logits=True)],
+                      jit_compile=True)
+        model.fit(x, targets, batch_size=8, epochs=2, shuffle=False, verbose=0)
+        return model.get_weights()
+    ref = train()
+    fused, routes = _counts()
+    with tf_relupool.recompute():
+        got = train()
+    assert keras_fusion.stats()["fused"] > fused
+    now = gradient_sources.stats()
+    assert now["fused"] > routes["fused"]
+    assert (now["source"], now["unknown"]) == (routes["source"], routes["unknown"])
+    for g, r in zip(got, ref):
+        assert_bitwise_equal(g, r)
 
 
 def test_switch_outside_xla_leaves_tracing_to_grappler():

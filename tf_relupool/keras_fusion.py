@@ -15,24 +15,31 @@ own unchanged.
 Exact: the fused op computes max_pool(relu(z)) and its gradient bit for bit as stock does under
 XLA. The `Relu` op stays in the graph; when nothing else reads it, XLA drops it, otherwise its
 other consumers get it as before, and z's gradient is the sum of the fused op's and theirs (for
-one other consumer, the same sum stock makes, addition being commutative; docs/xla.md).
+one other consumer, the same sum stock makes, addition being commutative; docs/xla.md). The
+fused op takes the pool's traced input as a second, formal input: when the gradient being
+computed is taken with respect to a tensor the fusion skips (the ReLU's output, a Pad's; a
+Grad-CAM `tape.gradient(score, activation)`), its gradient function returns stock's gradient of
+the pool into that input instead, and the tape continues through stock's Relu into z as stock
+does (tf_relupool/gradient_sources.py: how the sources are known, and the stock route where
+they are not, e.g. `tf.gradients`).
 
-The wrapper is installed when the switch turns on and removed when it turns off
-(`disable_recompute()`, the end of a `recompute()` block): with the switch off, Keras' function
-is the original object again. The switch is read at trace time, like everything else it does.
+The wrapper (and gradient_sources' wrapper of `tf.GradientTape.gradient`) is installed when the
+switch turns on and removed when it turns off (`disable_recompute()`, the end of a `recompute()`
+block): with the switch off, Keras' function is the original object again. The switch is read at trace time, like everything else it does.
 """
 import logging
 import threading
 
 import numpy as np
 
-from tf_relupool import patterns
+from tf_relupool import gradient_sources, patterns
 
 logger = logging.getLogger("tf_relupool")
 
 _lock = threading.Lock()
 _original = []  # [Keras' own max_pool] while the wrapper is installed
 _stats = {"fused": 0, "fused_through_pad": 0}
+_DTYPES = ("float16", "bfloat16", "float32", "float64")
 _warned = set()  # what was warned once: a role without a rule here, or "table" (unreadable)
 
 
@@ -55,6 +62,7 @@ def _backend_nn():
 
 def set_enabled(on):
     """Installs (on) or removes (off) the wrapper around Keras' TensorFlow max_pool."""
+    gradient_sources.set_enabled(on)
     nn = _backend_nn()
     if nn is None:
         return
@@ -80,10 +88,11 @@ def _const(tensor):
 
 
 def _fusable_input(inputs):
-    """(z, pad) where `inputs`, a max pool's input, completes a trace-time pattern of the table
-    (tf_relupool.patterns, the one the Grappler pass reads): Relu(z) -> (z, None); Pad(Relu(z))
-    padding with a value c that ReLU keeps bit for bit (c >= +0, not NaN) -> (z, (paddings, c));
-    else None."""
+    """(z, pad, skipped) where `inputs`, a max pool's input, completes a trace-time pattern of
+    the table (tf_relupool.patterns, the one the Grappler pass reads): Relu(z) -> (z, None,
+    (relu,)); Pad(Relu(z)) padding with a value c that ReLU keeps bit for bit (c >= +0, not NaN)
+    -> (z, (paddings, c), (pad, relu)): `skipped` are the tensors between z and the pool; else
+    None."""
     try:
         trace_patterns = patterns.for_fuser("trace")
     except Exception as e:  # noqa: BLE001 - the library's table unreadable: stock, never a crash
@@ -101,14 +110,17 @@ def _fusable_input(inputs):
 
 
 def _match(tensor, roles):
-    """(z, pad) when `tensor` is made by ops playing `roles` in turn, the last one a ReLU."""
+    """(z, pad, skipped) when `tensor` is made by ops playing `roles` in turn, the last one a
+    ReLU."""
     pad = None
+    skipped = []
     for i, role in enumerate(roles):
         op = getattr(tensor, "op", None)
         if op is None or op.type not in patterns.role_ops(role):
             return None
+        skipped.append(tensor)
         if role == "relu":
-            return (op.inputs[0], pad) if i == len(roles) - 1 else None
+            return (op.inputs[0], pad, tuple(skipped)) if i == len(roles) - 1 else None
         if role != "pad":
             if role not in _warned:
                 _warned.add(role)
@@ -147,21 +159,32 @@ def _max_pool(inputs, pool_size, strides=None, padding="valid", data_format=None
     import keras
     import tensorflow as tf
     found = None
-    if isinstance(inputs, tf.Tensor) and inputs.shape.rank == 4 and isinstance(padding, str):
+    if (isinstance(inputs, tf.Tensor) and inputs.shape.rank == 4 and isinstance(padding, str)
+            and padding.upper() in ("VALID", "SAME") and inputs.dtype.name in _DTYPES):
         found = _fusable_input(inputs)
     if found is None:
         return original(inputs, pool_size, strides, padding, data_format)
-    z, pad = found
+    z, pad, skipped = found
     data_format = keras.src.backend.standardize_data_format(data_format)
     fmt = "NHWC" if data_format == "channels_last" else "NCHW"
-    from tf_relupool.ops import relu_max_pool2d
+    from tf_relupool import xla
     if pad is not None:
         z = tf.pad(z, pad[0], constant_values=tf.constant(pad[1], z.dtype))
     _stats["fused"] += 1
     _stats["fused_through_pad"] += pad is not None
-    return relu_max_pool2d(z, ksize=list(_pair(pool_size)),
-                           strides=list(_pair(pool_size if strides is None else strides)),
-                           padding=padding.upper(), data_format=fmt)
+
+    def stock_pool(t):
+        return original(t, pool_size, strides, padding, data_format)
+    ksize = _attr(pool_size, fmt)
+    return xla.relu_max_pool2d(
+        z, ksize, _attr(pool_size if strides is None else strides, fmt), padding.upper(), [],
+        fmt, traced=xla.TracedPool(inputs, skipped, stock_pool))
+
+
+def _attr(v, fmt):
+    """A Keras pool_size/strides as the op's 4-entry attribute in `fmt`."""
+    h, w = _pair(v)
+    return [1, h, w, 1] if fmt == "NHWC" else [1, 1, h, w]
 
 
 def _pair(v):

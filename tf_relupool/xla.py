@@ -33,6 +33,8 @@ import logging
 import numpy as np
 import tensorflow as tf
 
+from tf_relupool import gradient_sources
+
 logger = logging.getLogger("tf_relupool")
 
 #: Largest window (rows x cols) the XLA form unrolls; larger ones run stock ops inside XLA.
@@ -208,31 +210,72 @@ def _positive_zeros(x):
     return tf.where(tf.equal(x, zero), zero, x), lambda g: g
 
 
-def relu_max_pool2d(z, ksize, strides, padding, explicit_paddings, data_format):
+def relu_max_pool2d(z, ksize, strides, padding, explicit_paddings, data_format, traced=None):
     """max_pool2d(relu(z)) for XLA, its gradient from one-byte codes (module docstring).
 
     Arguments in the op's normalized form (4-entry `ksize`/`strides` in `data_format`, padding
-    "VALID"/"SAME"/"EXPLICIT" with 8 `explicit_paddings`). Where the XLA form does not apply
+    "VALID"/"SAME"/"EXPLICIT" with 8 `explicit_paddings`). `traced`: the `TracedPool` this
+    replaces, when the switch's trace-time fusion calls it. Where the XLA form does not apply
     (`unsupported_reason`), returns the stock ops' result, which XLA compiles as it does stock's.
     """
     reason = unsupported_reason(z.shape, ksize, data_format)
     if reason is not None:
         logger.info("tf_relupool: stock ReLU + max pool inside XLA for %s", reason)
+        if traced is not None:
+            return traced.stock_pool(traced.pool_input)
         return stock_relu_max_pool2d(z, ksize, strides, padding, explicit_paddings, data_format)
     rows, cols = _spatial_axes(data_format)
     dims = pool_geometry((z.shape[rows], z.shape[cols]), ksize, strides, padding,
                          explicit_paddings, data_format)
 
+    pool_args = (ksize, strides, padding, explicit_paddings, data_format)
+    if traced is None:
+        @tf.custom_gradient
+        def fused(z):
+            y, code = _forward(z, pool_args, dims, data_format)
+
+            def grad(dy):
+                return _backward(dy, code, dims, data_format)
+            return y, grad
+
+        return fused(z)
+
+    # In place of a traced stock pool (keras_fusion): the pool's input is a second, formal input
+    # (XLA drops it where nothing reads it), so that the gradient can go the stock way through it
+    # when one of the tensors the fusion skips is a source of the gradient (gradient_sources).
     @tf.custom_gradient
-    def fused(z):
-        y, code = _forward(z, (ksize, strides, padding, explicit_paddings, data_format), dims,
-                           data_format)
+    def fused_in_place(z, pool_input):
+        y, code = _forward(z, pool_args, dims, data_format)
 
         def grad(dy):
-            return _backward(dy, code, dims, data_format)
+            if gradient_sources.route(traced.skipped) == gradient_sources.FUSED:
+                return _backward(dy, code, dims, data_format), None
+            return None, traced.stock_gradient(pool_input, dy)
         return y, grad
 
-    return fused(z)
+    return fused_in_place(z, traced.pool_input)
+
+
+class TracedPool:
+    """A stock max pool that the trace-time fusion replaces (keras_fusion.py).
+
+    pool_input: the pool's input as traced (relu(z), or a zero Pad of it); skipped: the tensors
+    between z and the pool (the Relu's output, the Pad's) whose gradient the fused backward
+    skips; stock_pool: a function computing the stock pool of a tensor as the caller would have
+    (Keras' transposes for channels_first included), whose own gradient is stock's."""
+
+    def __init__(self, pool_input, skipped, stock_pool):
+        self.pool_input = pool_input
+        self.skipped = tuple(skipped)
+        self.stock_pool = stock_pool
+
+    def stock_gradient(self, pool_input, dy):
+        """Stock's gradient of the pool into its input: its registered gradient (MaxPoolGrad, the
+        same SelectAndScatter under XLA), through the stock pool recomputed on `pool_input`."""
+        with tf.GradientTape() as tape:
+            tape.watch(pool_input)
+            y = self.stock_pool(pool_input)
+        return tape.gradient(y, pool_input, output_gradients=dy)
 
 
 def _stock_max_pool2d(r, ksize, strides, padding, explicit_paddings, data_format):
