@@ -271,15 +271,21 @@ def test_backward_reads_only_the_codes(k, s, padding):
     assert any(t.dtype == tf.float32 and t.shape == shape for t in stock), stock
 
 
-def test_large_window_falls_back_to_stock_with_one_info_line(caplog):
-    z = tf.random.stateless_normal([2, 12, 12, 2], seed=[1, 2])
-    fn = _grad_fn(lambda t: tf_relupool.relu_max_pool2d(t, 9, 3, "SAME"))
+def _fallback_warnings(caplog):
+    return [r for r in caplog.records if r.levelno == logging.WARNING and
+            "runs stock's ops inside XLA" in r.getMessage()]
+
+
+def test_large_window_falls_back_to_stock_with_one_warning(caplog):
+    """16x16 VALID over 16x16: 256 positions, more than one-byte codes hold."""
+    z = tf.random.stateless_normal([2, 16, 16, 2], seed=[1, 2])
+    fn = _grad_fn(lambda t: tf_relupool.relu_max_pool2d(t, 16, 3, "VALID"))
     with caplog.at_level(logging.INFO, logger="tf_relupool"):
         types, _ = _graph_op_types(fn, tf.TensorSpec(z.shape))
     assert "ReluGrad" in types  # stock ops inside XLA (the XLA form's backward has none)
-    lines = [r for r in caplog.records if "stock ReLU + max pool inside XLA" in r.getMessage()]
-    assert len(lines) == 1 and "9x9" in lines[0].getMessage()
-    ref = tf.function(_grad_fn(lambda t: tf.nn.max_pool2d(tf.nn.relu(t), 9, 3, "SAME")),
+    lines = _fallback_warnings(caplog)
+    assert len(lines) == 1 and "16x16 window with 256 positions" in lines[0].getMessage()
+    ref = tf.function(_grad_fn(lambda t: tf.nn.max_pool2d(tf.nn.relu(t), 16, 3, "VALID")),
                       jit_compile=True)(z)
     for a, b in zip(tf.function(fn, jit_compile=True)(z), ref):
         assert_bitwise_equal(a, b)
@@ -290,7 +296,68 @@ def test_unknown_spatial_dims_fall_back_to_stock(caplog):
     with caplog.at_level(logging.INFO, logger="tf_relupool"):
         types, _ = _graph_op_types(fn, tf.TensorSpec([None, None, None, 3]))
     assert "ReluGrad" in types
-    assert any("spatial dimensions unknown" in r.getMessage() for r in caplog.records)
+    lines = _fallback_warnings(caplog)
+    assert len(lines) == 1 and "height and width are unknown" in lines[0].getMessage()
+
+
+@pytest.mark.parametrize("shape,k,s,padding,positions", [
+    ((2, 4, 4, 3), 9, 1, "SAME", 49),      # a 9x9 window over 4x4: 7x7 positions can hold input
+    ((1, 10, 10, 2), 15, 1, "SAME", 225),
+    ((1, 8, 9, 2), (20, 16), 1, "SAME", 15 * 16),  # a 320-position window
+    ((2, 12, 12, 2), 12, 12, "VALID", 144),
+    ((2, 9, 9, 2), 9, 3, "SAME", 81),
+])
+def test_large_windows_clipped_to_the_input_run_the_xla_form_bitwise(shape, k, s, padding,
+                                                                     positions):
+    """Windows above the old 64-position cap: the XLA form scans the window positions that can
+    hold an input element (at most 254, one-byte codes), bit for bit as the NumPy definition
+    (tied data) and as stock under XLA (distinct values; XLA's CPU order of SAME ties aside)."""
+    kk = (k, k) if isinstance(k, int) else k
+    dims = xla.pool_geometry(shape[1:3], [1, *kk, 1], [1, s, s, 1], padding, [], "NHWC")
+    assert xla.window_positions(dims) == positions
+    fused = _grad_fn(lambda t: tf_relupool.relu_max_pool2d(t, list(kk), s, padding))
+    types, _ = _graph_op_types(fused, tf.TensorSpec(shape))
+    assert "ReluGrad" not in types and "MaxPoolGrad" not in types
+    rng = np.random.default_rng(positions)
+    oh, ow = _pool_dims(shape, kk, (s, s), padding, "NHWC")
+    dy = _data(rng, (shape[0], oh, ow, shape[3]), tf.float32, special=False)
+    z = _data(rng, shape, tf.float32, special=False)
+    dz = _value_and_grad(lambda t: tf_relupool.relu_max_pool2d(t, list(kk), s, padding), z, dy)[1]
+    dz_ref, _ = _reference(z, dy, tf.zeros_like(z), kk, (s, s), padding, "NHWC")
+    assert_bitwise_equal(dz, dz_ref, "gradient vs definition")
+    size = int(np.prod(shape))
+    z = tf.constant((rng.permutation(size) - size // 3).reshape(shape), tf.float32)
+    got = _value_and_grad(lambda t: tf_relupool.relu_max_pool2d(t, list(kk), s, padding), z, dy)
+    ref = _value_and_grad(lambda t: tf.nn.max_pool2d(tf.nn.relu(t), list(kk), s, padding), z, dy)
+    for a, b in zip(got, ref):
+        assert_bitwise_equal(a, b)
+
+
+def test_switch_fallbacks_warn_once_per_reason_and_model_and_are_counted(caplog):
+    """Under the switch, a fallback is a WARNING once per reason and model and a count by
+    reason in keras_fusion.stats(), not a fusion."""
+    def model(shape, pool):
+        inputs = keras.Input(shape)
+        x = keras.layers.Conv2D(2, 3, padding="same", activation="relu")(inputs)
+        x = keras.layers.MaxPooling2D(pool)(x)
+        return keras.Model(inputs, keras.layers.GlobalMaxPooling2D()(x))
+    cases = ((model((None, None, 3), 2), [None, None, None, 3], "unknown_size"),
+             (model((None, None, 3), 2), [None, None, None, 3], "unknown_size"),
+             (model((16, 16, 3), 16), [1, 16, 16, 3], "large_window"))
+    with tf_relupool.recompute(), caplog.at_level(logging.INFO, logger="tf_relupool"):
+        for m, shape, reason in cases:
+            before = keras_fusion.stats()
+            warned = len(_fallback_warnings(caplog))
+            for _ in range(2):  # a second trace of the same model: counted, not warned again
+                fn = tf.function(_grad_fn(lambda t: m(t)), jit_compile=True)
+                types = {op.type for op in fn.get_concrete_function(
+                    tf.TensorSpec(shape)).graph.get_operations()}
+                assert "ReluGrad" in types
+            after = keras_fusion.stats()
+            assert after["fused"] == before["fused"]
+            assert after["fallen_back"][reason] == before["fallen_back"][reason] + 2
+            lines = _fallback_warnings(caplog)[warned:]
+            assert len(lines) == 1 and repr(m.name) in lines[0].getMessage(), lines
 
 
 def test_unknown_batch_runs_the_xla_form():

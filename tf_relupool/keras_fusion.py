@@ -39,13 +39,16 @@ logger = logging.getLogger("tf_relupool")
 _lock = threading.Lock()
 _original = []  # [Keras' own max_pool] while the wrapper is installed
 _stats = {"fused": 0, "fused_through_pad": 0}
+_fallen_back = {"unknown_size": 0, "large_window": 0}  # xla.UNKNOWN_SIZE, xla.LARGE_WINDOW
 _DTYPES = ("float16", "bfloat16", "float32", "float64")
 _warned = set()  # what was warned once: a role without a rule here, or "table" (unreadable)
 
 
 def stats():
-    """Counts of trace-time fusions since import: {"fused": n, "fused_through_pad": m}."""
-    return dict(_stats)
+    """Counts since import of the trace-time fusion's decisions: {"fused": n,
+    "fused_through_pad": m (of n), "fallen_back": {reason: k}}, where a reason (xla.UNKNOWN_SIZE,
+    xla.LARGE_WINDOW) made a ReLU + max pool run stock's ops inside XLA (with a warning)."""
+    return dict(_stats, fallen_back=dict(_fallen_back))
 
 
 def _backend_nn():
@@ -168,6 +171,13 @@ def _max_pool(inputs, pool_size, strides=None, padding="valid", data_format=None
     data_format = keras.src.backend.standardize_data_format(data_format)
     fmt = "NHWC" if data_format == "channels_last" else "NCHW"
     from tf_relupool import xla
+    ksize = _attr(pool_size, fmt)
+    stride_attr = _attr(pool_size if strides is None else strides, fmt)
+    reason = xla.unsupported_reason(inputs.shape, ksize, stride_attr, padding.upper(), [], fmt)
+    if reason is not None:
+        _fallen_back[reason[0]] += 1
+        xla.warn_fallback(*reason)
+        return original(inputs, pool_size, strides, padding, data_format)
     if pad is not None:
         z = tf.pad(z, pad[0], constant_values=tf.constant(pad[1], z.dtype))
     _stats["fused"] += 1
@@ -175,10 +185,8 @@ def _max_pool(inputs, pool_size, strides=None, padding="valid", data_format=None
 
     def stock_pool(t):
         return original(t, pool_size, strides, padding, data_format)
-    ksize = _attr(pool_size, fmt)
-    return xla.relu_max_pool2d(
-        z, ksize, _attr(pool_size if strides is None else strides, fmt), padding.upper(), [],
-        fmt, traced=xla.TracedPool(inputs, skipped, stock_pool))
+    return xla.relu_max_pool2d(z, ksize, stride_attr, padding.upper(), [], fmt,
+                               traced=xla.TracedPool(inputs, skipped, stock_pool))
 
 
 def _attr(v, fmt):
