@@ -8,7 +8,9 @@ tf_relupool wraps the max pooling of Keras' TensorFlow backend (`keras.src.backe
 a 2-D max pool whose input is, at trace time, the output of a `Relu` op, or a zero-constant
 `Pad` of one (the ResNet stem's `ZeroPadding2D`), becomes the fused op in its XLA form
 (tf_relupool/xla.py) over the ReLU's input. Those are the trace-time patterns of the pattern
-table (tf_relupool.patterns: cc/grappler/patterns.h, which the Grappler pass reads too).
+table (cc/grappler/patterns.h, which the Grappler pass reads), held in Python too
+(tf_relupool.patterns.TRACE_PATTERNS, checked against the library's table): the route needs no
+op library.
 Everywhere else (no XLA, another producer, 1-D/3-D pooling) the wrapped function calls Keras'
 own unchanged.
 
@@ -41,7 +43,7 @@ _original = []  # [Keras' own max_pool] while the wrapper is installed
 _stats = {"fused": 0, "fused_through_pad": 0}
 _fallen_back = {"unknown_size": 0, "large_window": 0}  # xla.UNKNOWN_SIZE, xla.LARGE_WINDOW
 _DTYPES = ("float16", "bfloat16", "float32", "float64")
-_warned = set()  # what was warned once: a role without a rule here, or "table" (unreadable)
+_warned = set()  # the roles without a rule here, warned once
 
 
 def stats():
@@ -96,14 +98,7 @@ def _fusable_input(inputs):
     (relu,)); Pad(Relu(z)) padding with a value c that ReLU keeps bit for bit (c >= +0, not NaN)
     -> (z, (paddings, c), (pad, relu)): `skipped` are the tensors between z and the pool; else
     None."""
-    try:
-        trace_patterns = patterns.for_fuser("trace")
-    except Exception as e:  # noqa: BLE001 - the library's table unreadable: stock, never a crash
-        if "table" not in _warned:
-            _warned.add("table")
-            logger.warning("tf_relupool: the pattern table could not be read (%s); Keras' max "
-                           "pooling runs stock's ops under XLA", e)
-        return None
+    trace_patterns = patterns.trace_patterns()  # in Python: no op library needed
     for p in trace_patterns:
         if p.chain[0] == "pool":
             found = _match(inputs, p.chain[1:])
@@ -119,7 +114,7 @@ def _match(tensor, roles):
     skipped = []
     for i, role in enumerate(roles):
         op = getattr(tensor, "op", None)
-        if op is None or op.type not in patterns.role_ops(role):
+        if op is None or op.type not in patterns.trace_role_ops(role):
             return None
         skipped.append(tensor)
         if role == "relu":
