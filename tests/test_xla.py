@@ -578,6 +578,111 @@ def test_fit_of_a_model_that_outputs_its_activation_keeps_the_fused_backward_bit
         assert_bitwise_equal(g, r)
 
 
+def _raw_tf_step(pool, pad=False, data_format="NHWC"):
+    """conv -> tf.nn.relu -> (tf.pad) -> tf.nn.max_pool2d / tf.nn.max_pool, gradients for the
+    input and the kernel."""
+    w = tf.constant(np.random.default_rng(4).normal(size=(3, 3, 3, 4)), tf.float32)
+
+    def step(x):
+        with tf.GradientTape() as tape:
+            tape.watch([x, w])
+            a = tf.nn.relu(tf.nn.conv2d(x, w, 1, "SAME", data_format=data_format))
+            if pad:
+                spatial = [[1, 1], [1, 1]]
+                a = tf.pad(a, [[0, 0]] + spatial + [[0, 0]] if data_format == "NHWC"
+                           else [[0, 0], [0, 0]] + spatial)
+            if pool == "max_pool2d":
+                y = tf.nn.max_pool2d(a, 3, 2, "SAME", data_format=data_format)
+            else:
+                y = tf.nn.max_pool(a, [2, 2], [2, 2], "VALID", data_format=data_format)
+            loss = tf.reduce_sum(y * y)
+        return [y] + tape.gradient(loss, [x, w])
+    return step
+
+
+@pytest.mark.parametrize("pool,pad,data_format", [
+    ("max_pool2d", False, "NHWC"), ("max_pool", False, "NHWC"), ("max_pool2d", True, "NHWC"),
+    ("max_pool", False, "NCHW")])
+def test_switch_fuses_raw_tf_nn_pooling_inside_xla_bitwise(pool, pad, data_format):
+    """tf.nn.relu + tf.nn.max_pool2d / tf.nn.max_pool (no Keras) inside
+    tf.function(jit_compile=True): fused (no MaxPoolGrad, no ReluGrad), bit for bit as stock."""
+    shape = (2, 9, 9, 3) if data_format == "NHWC" else (2, 3, 9, 9)
+    x = tf.random.stateless_normal(shape, seed=[4, 5])
+    step = _raw_tf_step(pool, pad, data_format)
+    ref = tf.function(step, jit_compile=True)(x)
+    before = keras_fusion.stats()
+    with tf_relupool.recompute():
+        fn = tf.function(step, jit_compile=True)
+        types = {op.type for op in fn.get_concrete_function(x).graph.get_operations()}
+        got = fn(x)
+    after = keras_fusion.stats()
+    assert after["fused"] == before["fused"] + 1
+    assert after["fused_through_pad"] == before["fused_through_pad"] + pad
+    assert not types & {"MaxPoolGrad", "MaxPoolGradV2", "ReluGrad"}, types
+    for g, r in zip(got, ref):
+        assert_bitwise_equal(g, r)
+
+
+def test_tf_nn_wrappers_installed_only_while_the_switch_is_on():
+    originals = tf.nn.max_pool2d, tf.nn.max_pool
+    with tf_relupool.recompute():
+        assert keras_fusion.tf_nn_installed()
+        assert (tf.nn.max_pool2d, tf.nn.max_pool) != originals
+        assert tf.nn.max_pool2d.__wrapped__ is originals[0]
+    assert not keras_fusion.tf_nn_installed()
+    assert (tf.nn.max_pool2d, tf.nn.max_pool) == originals
+
+
+def test_grad_cam_through_raw_tf_nn_is_stock():
+    """tape.gradient with respect to tf.nn.relu's output, tf.nn.max_pool2d after it."""
+    w = tf.constant(np.random.default_rng(5).normal(size=(3, 3, 3, 4)), tf.float32)
+
+    def step(x):
+        with tf.GradientTape() as tape:
+            a = tf.nn.relu(tf.nn.conv2d(x, w, 1, "SAME"))
+            tape.watch(a)
+            score = tf.reduce_sum(tf.nn.max_pool2d(a, 2, 2, "VALID") ** 2) + tf.reduce_sum(a)
+        return tape.gradient(score, a)
+    x = tf.random.stateless_normal((2, 8, 8, 3), seed=[6, 5])
+    ref = tf.function(step, jit_compile=True)(x)
+    with tf_relupool.recompute():
+        got = tf.function(step, jit_compile=True)(x)
+    assert_bitwise_equal(got, ref)
+
+
+@pytest.mark.parametrize("broken", ["keras", "tf.nn"])
+def test_enable_warns_where_the_dispatch_does_not_reach_a_wrapper(broken, monkeypatch, caplog):
+    """enable_recompute() probes each wrapped path (a tiny traced ReLU + pool) and warns, naming
+    it, where the call does not reach the wrapper (here: the wrapper installed on a stand-in
+    module that nothing calls)."""
+    import types
+    if broken == "keras":
+        from keras.src.backend.tensorflow import nn
+        fake = types.SimpleNamespace(max_pool=nn.max_pool)
+        monkeypatch.setattr(keras_fusion, "_backend_nn", lambda: fake)
+        expected = "Keras' MaxPooling2D"
+    else:
+        fake = types.SimpleNamespace(max_pool2d=tf.nn.max_pool2d, max_pool=tf.nn.max_pool)
+        monkeypatch.setattr(keras_fusion, "_tf_nn_modules", lambda: [fake])
+        expected = "tf.nn.max_pool2d"
+    with caplog.at_level(logging.WARNING, logger="tf_relupool"):
+        tf_relupool.enable_recompute()
+        tf_relupool.disable_recompute()
+    lines = [r.getMessage() for r in caplog.records if "did not reach" in r.getMessage()]
+    assert len(lines) == 1 and expected in lines[0], lines
+
+
+def test_enable_probe_passes_silently_when_the_dispatch_reaches_the_wrappers(monkeypatch,
+                                                                            caplog):
+    monkeypatch.setattr(keras_fusion, "_probed", set())
+    before = keras_fusion.stats()
+    with caplog.at_level(logging.WARNING, logger="tf_relupool"):
+        tf_relupool.enable_recompute()
+    assert not [r for r in caplog.records if "did not reach" in r.getMessage()]
+    assert keras_fusion._probed  # noqa: SLF001 - the probe ran and passed
+    assert keras_fusion.stats() == before  # the probe counts nothing
+
+
 def test_switch_outside_xla_leaves_tracing_to_grappler():
     """Without XLA the trace is stock's (the Grappler pass fuses later): nothing changes there."""
     keras.utils.set_random_seed(1)

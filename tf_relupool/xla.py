@@ -35,6 +35,7 @@ import weakref
 
 import numpy as np
 import tensorflow as tf
+from tensorflow.python.ops import nn_ops
 
 from tf_relupool import gradient_sources
 
@@ -365,7 +366,8 @@ def _stock_max_pool2d(r, ksize, strides, padding, explicit_paddings, data_format
         pairs = [list(explicit_paddings[2 * d:2 * d + 2]) for d in range(4)]
         r = tf.pad(r, pairs, constant_values=tf.constant(-np.inf, r.dtype))
         padding = "VALID"
-    return tf.nn.max_pool2d(r, ksize, strides, padding, data_format=data_format)
+    # TensorFlow's own function, not the `tf.nn` attribute the switch wraps (keras_fusion)
+    return nn_ops.max_pool2d(r, ksize, strides, padding, data_format=data_format)
 
 
 def stock_relu_max_pool2d(z, ksize, strides, padding, explicit_paddings, data_format):
