@@ -104,7 +104,7 @@ def set_enabled(on):
         if on:
             if nn is not None and not _original:
                 _original.append(nn.max_pool)
-                nn.max_pool = _max_pool
+                nn.max_pool = _keras_wrapper()
                 installed_now = True
             for module in _tf_nn_modules():
                 for name in _TF_NAMES:
@@ -118,7 +118,7 @@ def set_enabled(on):
         else:
             if _original:
                 original = _original.pop()
-                if nn is not None and nn.max_pool is _max_pool:
+                if nn is not None and nn.max_pool is _keras_wrapper():
                     nn.max_pool = original
             for key, (module, original) in list(_tf_originals.items()):
                 name = key[1]
@@ -243,6 +243,23 @@ def _fuse(inputs, ksize, strides, padding, fmt, stock_pool, path):
                                traced=xla.TracedPool(inputs, skipped, stock_pool))
 
 
+def _no_autograph(fn):
+    """`fn` left unconverted by AutoGraph (it branches on Python values only): a traced call
+    goes straight to it, as to the function it wraps."""
+    import tensorflow as tf
+    return tf.autograph.experimental.do_not_convert(fn)
+
+
+_keras_wrappers = []
+
+
+def _keras_wrapper():
+    """The object installed as Keras' max_pool (_max_pool, left unconverted by AutoGraph)."""
+    if not _keras_wrappers:
+        _keras_wrappers.append(_no_autograph(_max_pool))
+    return _keras_wrappers[0]
+
+
 def _max_pool(inputs, pool_size, strides=None, padding="valid", data_format=None):
     """Keras' TensorFlow max_pool, fused with a ReLU in front of it under XLA (module doc)."""
     original = _original[0] if _original else _backend_nn().max_pool
@@ -288,6 +305,7 @@ def _tf_wrapper(fn_name, original):
                 return out
         return stock_pool(input)
     wrapper.__name__ = wrapper.__qualname__ = fn_name
+    wrapper = _no_autograph(wrapper)
     wrapper.__doc__ = original.__doc__
     wrapper.__wrapped__ = original
     wrapper._tf_relupool_wraps = original
