@@ -139,8 +139,9 @@ def unsupported_reason(input_shape, ksize, strides, padding, explicit_paddings, 
 
 
 _ADVICE = {
-    UNKNOWN_SIZE: "give the model's input a fixed height and width (keras.Input((32, 32, 3)), "
-                  "a tf.function input_signature with them) to fuse it",
+    UNKNOWN_SIZE: "trace it with a fixed height and width to fuse it (data of one size: "
+                  "a dataset whose element_spec has them, a tf.function input_signature "
+                  "with them, keras.Input((32, 32, 3)))",
     LARGE_WINDOW: "larger windows are not unrolled",
 }
 _warned = {kind: weakref.WeakSet() for kind in _ADVICE}
