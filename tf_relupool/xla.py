@@ -43,9 +43,9 @@ logger = logging.getLogger("tf_relupool")
 
 #: Largest window the XLA form unrolls, in positions of the window clipped to the input
 #: (`window_positions`: a 9x9 SAME window over a 4x4 input scans 7x7); larger ones run stock's
-#: ops inside XLA. 254 is what one-byte codes hold beside NO_GRADIENT and _NEVER; on a 2-core CPU
-#: a 15x15 stride-1 SAME window (225 positions) over 8x32x32x8 traces in 1.6 s and compiles in
-#: 2.7 s with its gradient (stock: 0.3 s), docs/xla.md.
+#: ops inside XLA. 254 is what one-byte codes hold beside NO_GRADIENT and _NEVER; on a 2-core
+#: Xeon a 15x15 stride-1 SAME window (225 positions) over 8x32x32x8 traces in 1.6 s and compiles
+#: in 2.7 s with its gradient (stock: 0.2 s), docs/xla.md.
 MAX_WINDOW_POSITIONS = 254
 #: The code of a pooled element that routes no gradient (its selected ReLU'd value is not > 0).
 NO_GRADIENT = 255
