@@ -623,6 +623,20 @@ def test_switch_fuses_raw_tf_nn_pooling_inside_xla_bitwise(pool, pad, data_forma
         assert_bitwise_equal(g, r)
 
 
+@pytest.mark.parametrize("pool", ["tf.nn", "keras"])
+def test_switch_leaves_stocks_own_error_for_a_window_that_does_not_fit(pool):
+    def fn(x):
+        if pool == "keras":
+            return keras.ops.max_pool(tf.nn.relu(x), 5, 1, "valid")
+        return tf.nn.max_pool2d(tf.nn.relu(x), 5, 1, "VALID")
+    messages = []
+    for on in (None, "argmax"):
+        with tf_relupool.recompute(on), pytest.raises(ValueError) as error:
+            tf.function(fn, jit_compile=True).get_concrete_function(tf.TensorSpec([1, 3, 3, 1]))
+        messages.append(str(error.value).splitlines()[-1])
+    assert "Negative dimension size" in messages[0] and messages[1] == messages[0], messages
+
+
 def test_tf_nn_wrappers_installed_only_while_the_switch_is_on():
     originals = tf.nn.max_pool2d, tf.nn.max_pool
     with tf_relupool.recompute():

@@ -230,7 +230,10 @@ def _fuse(inputs, ksize, strides, padding, fmt, stock_pool, path):
         probe.add(path)
         return stock_pool(inputs)
     z, pad, skipped = found
-    reason = xla.unsupported_reason(inputs.shape, ksize, strides, padding, [], fmt)
+    try:
+        reason = xla.unsupported_reason(inputs.shape, ksize, strides, padding, [], fmt)
+    except ValueError:  # no window fits the input: stock's own function reports it
+        return stock_pool(inputs)
     if reason is not None:
         _fallen_back[reason[0]] += 1
         xla.warn_fallback(*reason)
