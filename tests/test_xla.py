@@ -686,12 +686,19 @@ def test_enable_warns_where_the_dispatch_does_not_reach_a_wrapper(broken, monkey
     assert len(lines) == 1 and expected in lines[0], lines
 
 
-def test_enable_probe_passes_silently_when_the_dispatch_reaches_the_wrappers(monkeypatch,
+@pytest.mark.parametrize("policy", ["float32", "mixed_bfloat16"])
+def test_enable_probe_passes_silently_when_the_dispatch_reaches_the_wrappers(policy, monkeypatch,
                                                                             caplog):
+    """(Under a mixed-precision policy too, where Keras would cast a layer's input first.)"""
     monkeypatch.setattr(keras_fusion, "_probed", set())
     before = keras_fusion.stats()
-    with caplog.at_level(logging.WARNING, logger="tf_relupool"):
-        tf_relupool.enable_recompute()
+    previous = keras.config.dtype_policy()
+    keras.config.set_dtype_policy(policy)
+    try:
+        with caplog.at_level(logging.WARNING, logger="tf_relupool"):
+            tf_relupool.enable_recompute()
+    finally:
+        keras.config.set_dtype_policy(previous)
     assert not [r for r in caplog.records if "did not reach" in r.getMessage()]
     assert keras_fusion._probed  # noqa: SLF001 - the probe ran and passed
     assert keras_fusion.stats() == before  # the probe counts nothing

@@ -334,8 +334,10 @@ def _check_dispatch(nn):
     }
     if nn is not None:
         import keras
+        # named: Keras' automatic layer names stay as they were; float32: a mixed-precision
+        # policy would cast the ReLU's output first
         layer = keras.layers.MaxPooling2D(2, data_format="channels_first",
-                                          name="tf_relupool_probe")  # (Keras' names unmoved)
+                                          name="tf_relupool_probe", dtype="float32")
         paths["keras"] = lambda x: layer(tf.nn.relu(x))
     missing = []
     for path, fn in paths.items():
