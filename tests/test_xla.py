@@ -524,6 +524,25 @@ def test_gradient_with_respect_to_the_relu_output_is_stock(other_consumer, pad, 
         assert_bitwise_equal(g, r)
 
 
+def test_gradient_with_respect_to_the_relu_output_without_xla_is_stock():
+    """Without XLA the Grappler pass decides: it leaves a pool whose MaxPoolGrad feeds more than
+    the ReLU's gradient (here: the gradient returned for `a`) unfused; stock's bits."""
+    model = _activation_model(True)
+    x = tf.random.stateless_normal((3, 10, 10, 3), seed=[9, 3])
+
+    def step(x):
+        with tf.GradientTape() as tape:
+            a, logits = model(x)
+            score = tf.reduce_sum(logits[:, 1])
+        return tape.gradient(score, [a] + model.trainable_variables)
+    ref = tf.function(step)(x)
+    with tf_relupool.recompute():
+        got = tf.function(step)(x)
+    assert got[0] is not None
+    for g, r in zip(got, ref):
+        assert_bitwise_equal(g, r)
+
+
 def test_jacobians_and_tf_gradients_with_respect_to_the_relu_output_are_stock():
     """jacobian/batch_jacobian go through tape.gradient (its sources recorded); tf.gradients has
     no tape: the stock route, counted as "unknown"."""
@@ -702,6 +721,37 @@ def test_enable_probe_passes_silently_when_the_dispatch_reaches_the_wrappers(pol
     assert not [r for r in caplog.records if "did not reach" in r.getMessage()]
     assert keras_fusion._probed  # noqa: SLF001 - the probe ran and passed
     assert keras_fusion.stats() == before  # the probe counts nothing
+
+
+_FROM_ENVIRONMENT = r"""
+import json, sys
+sys.path.insert(0, sys.argv[1])
+import tensorflow as tf, tf_relupool
+from tf_relupool import keras_fusion
+tf.config.threading.set_inter_op_parallelism_threads(1)  # the import left the context alone
+before = bool(keras_fusion._probed)
+x = tf.ones([2])
+with tf.GradientTape() as tape:
+    tape.watch(x)
+    y = tf.reduce_sum(x * x)
+tape.gradient(y, x)
+print("RESULT " + json.dumps({"installed": keras_fusion.installed() and
+                              keras_fusion.tf_nn_installed(), "before": before,
+                              "after": bool(keras_fusion._probed)}))
+"""
+
+
+def test_switch_from_the_environment_probes_at_the_first_gradient():
+    """TF_RELUPOOL_RECOMPUTE=1: the wrappers are installed at import, but the dispatch probe
+    (which traces a function, initializing TensorFlow's context) waits for the first
+    tape.gradient call, so that the program can still configure TensorFlow after the import."""
+    env = dict(os.environ, TF_RELUPOOL_RECOMPUTE="1", TF_CPP_MIN_LOG_LEVEL="2")
+    proc = subprocess.run([sys.executable, "-c", _FROM_ENVIRONMENT, os.path.dirname(HERE)],
+                          capture_output=True, text=True, timeout=600, cwd=HERE, env=env)
+    lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
+    assert json.loads(lines[-1][len("RESULT "):]) == {"installed": True, "before": False,
+                                                      "after": True}
 
 
 def test_switch_outside_xla_leaves_tracing_to_grappler():

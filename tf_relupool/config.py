@@ -145,11 +145,12 @@ def recompute(keep=KEEP_ARGMAX):
             _notify_grappler()
 
 
-def _notify_grappler():
+def _notify_grappler(at_import=False):
     """Passes the switch to the graph optimizer inside TensorFlow (tf_relupool/grappler.py) and
-    to the trace-time fusion of Keras' max pooling under XLA (tf_relupool/keras_fusion.py)."""
+    to the trace-time fusion under XLA (tf_relupool/keras_fusion.py; `at_import`: its dispatch
+    probe waits for the first gradient, as importing must not initialize TensorFlow's context)."""
     from tf_relupool import grappler, keras_fusion  # late: grappler loads the op library
-    keras_fusion.set_enabled(_mode is not None)
+    keras_fusion.set_enabled(_mode is not None, probe_now=not at_import)
     grappler.set_mode(_mode)
 
 
@@ -166,7 +167,7 @@ def _init_from_environment():
         _mode = None
     if _mode is not None:
         logger.info("recompute switch on from %s=%r: keep=%r", ENV_VAR, value, _mode)
-        _notify_grappler()
+        _notify_grappler(at_import=True)
 
 
 _init_from_environment()

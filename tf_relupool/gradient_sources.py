@@ -51,10 +51,32 @@ def _stack():
     return stack
 
 
+_pending = []  # functions to run once, at the next gradient call (keras_fusion's probe)
+
+
+def before_next_gradient(fn):
+    """Runs `fn()` once, at the start of the next tf.GradientTape.gradient call through the
+    wrapper (never raising into it)."""
+    _pending.append(fn)
+
+
+def _run_pending():
+    while _pending:
+        fn = _pending.pop()
+        try:
+            fn()
+        except Exception:  # noqa: BLE001 - a probe must not break the user's gradient
+            import logging
+            logging.getLogger("tf_relupool").warning(
+                "tf_relupool: a deferred check failed", exc_info=True)
+
+
 def _wrap(original):
     """tf.GradientTape.gradient (`original`), recording its sources for route()."""
     def gradient(self, target, sources, *args, **kwargs):
         import tensorflow as tf
+        if _pending:
+            _run_pending()
         keys = frozenset(_key(s) for s in tf.nest.flatten(sources)
                          if isinstance(s, tf.Tensor) and _key(s) is not None)
         stack = _stack()

@@ -93,10 +93,12 @@ def _tf_nn_modules():
     return modules
 
 
-def set_enabled(on):
+def set_enabled(on, probe_now=True):
     """Installs (on) or removes (off) the wrappers around Keras' TensorFlow max_pool and
     TensorFlow's tf.nn.max_pool2d / tf.nn.max_pool, and gradient_sources' wrapper; after an
-    install, probes that the calls reach them (module doc)."""
+    install, probes that the calls reach them (module doc): now, or with `probe_now` False (the
+    switch set from the environment at import, which must not initialize TensorFlow's context)
+    at the first tf.GradientTape.gradient call."""
     gradient_sources.set_enabled(on)
     nn = _backend_nn()
     installed_now = False
@@ -126,7 +128,10 @@ def set_enabled(on):
                     setattr(module, name, original)
                 del _tf_originals[key]
     if on and installed_now:
-        _check_dispatch(nn)
+        if probe_now:
+            _check_dispatch(nn)
+        else:
+            gradient_sources.before_next_gradient(lambda: _check_dispatch(_backend_nn()))
 
 
 def installed():
