@@ -7,6 +7,7 @@ forward for forward-only patterns, in a fresh process) and the trace-time fusion
 table without a builder here, or without a fuser that handles it, fails these tests.
 """
 import itertools
+import os
 import logging
 import textwrap
 
@@ -165,22 +166,92 @@ def test_trace_time_fusion_fuses_every_trace_pattern_of_the_table():
                                           err_msg=f"{name} {ops}")
 
 
-def test_unreadable_table_leaves_keras_pooling_stock(monkeypatch, caplog):
-    """Where the library's table cannot be read, the trace-time fusion runs Keras' own pooling
-    (one warning), never an error inside the user's model."""
-    def broken():
-        raise OSError("no library")
-    monkeypatch.setattr(patterns, "table", broken)
-    monkeypatch.setattr(keras_fusion, "_warned", set())
+def test_trace_patterns_in_python_are_the_librarys():
+    """The trace-time fuser's patterns and role ops held in Python (the XLA route needs no op
+    library) are the library's table's, pattern for pattern."""
+    ours = [(p.name, p.chain, p.gradient) for p in patterns.trace_patterns()]
+    assert ours == [(p.name, p.chain, p.gradient) for p in patterns.for_fuser("trace")]
+    for role in {r for p in patterns.trace_patterns() for r in p.chain}:
+        assert patterns.trace_role_ops(role) == patterns.role_ops(role), role
 
-    @tf.function(jit_compile=True)
-    def step(z):
-        return keras.ops.max_pool(tf.nn.relu(z), 2, 2, "valid")
+
+def test_xla_route_needs_no_op_library(monkeypatch, caplog):
+    """With the op library's table and loader failing, the switch still fuses Keras' pooling
+    under XLA, bitwise, without trying to load the library (not once per traced pool either)."""
+    from tf_relupool import _loader, grappler
+    calls = []
+
+    def broken(*args):
+        calls.append(args)
+        raise _loader.OpLibraryError("no library")
+    monkeypatch.setattr(patterns, "table", broken)
+    monkeypatch.setattr(_loader, "load_library", broken)
+    monkeypatch.setattr(grappler, "_c_library", broken)
+
+    def make():
+        @tf.function(jit_compile=True)
+        def step(z):
+            with tf.GradientTape() as tape:
+                tape.watch(z)
+                y = keras.ops.max_pool(tf.nn.relu(z), 2, 2, "valid")
+                y = keras.ops.max_pool(tf.nn.relu(y - 0.5), 2, 2, "valid")
+            return y, tape.gradient(y, z, output_gradients=tf.ones_like(y))
+        return step
     z = tf.random.stateless_normal([2, 8, 8, 4], seed=[5, 6])
+    tf_relupool.disable_recompute()
+    ref = make()(z)
     before = keras_fusion.stats()["fused"]
     with caplog.at_level(logging.WARNING, logger="tf_relupool"), tf_relupool.recompute():
-        got = step(z)
-    assert keras_fusion.stats()["fused"] == before
-    assert "pattern table could not be read (no library)" in caplog.text
-    np.testing.assert_array_equal(got.numpy(), tf.nn.max_pool2d(tf.nn.relu(z), 2, 2,
-                                                                 "VALID").numpy())
+        del calls[:]  # (the Grappler pass's registration may try it: not the XLA route)
+        got = make()(z)
+    assert keras_fusion.stats()["fused"] == before + 2
+    assert calls == []
+    for a, b in zip(got, ref):
+        np.testing.assert_array_equal(a.numpy().view(np.uint32), b.numpy().view(np.uint32))
+
+
+_WITHOUT_LIBRARY = r"""
+import json, logging, sys
+import numpy as np, tensorflow as tf, keras
+import tf_relupool
+from tf_relupool import keras_fusion
+try:
+    tf_relupool.load_library()
+    loaded = True
+except tf_relupool.OpLibraryError:
+    loaded = False
+model = keras.Sequential([keras.Input((8, 8, 3)), keras.layers.Conv2D(4, 3, activation="relu"),
+                          keras.layers.MaxPooling2D(2), keras.layers.Flatten(),
+                          keras.layers.Dense(2)])
+def run():
+    @tf.function(jit_compile=True)
+    def step(x):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(model(x) ** 2)
+        return [loss] + tape.gradient(loss, model.trainable_variables)
+    return [t.numpy().tobytes().hex() for t in step(tf.ones([2, 8, 8, 3]) * 0.3)]
+ref = run()
+tf_relupool.enable_recompute()
+got = run()
+print("RESULT " + json.dumps({"loaded": loaded, "same": got == ref,
+                              "fused": keras_fusion.stats()["fused"]}))
+"""
+
+
+def test_switch_under_xla_without_the_op_library(tmp_path):
+    """The package without its compiled library (a copy of the Python files): the switch still
+    fuses a Keras model under XLA, bit for bit like stock."""
+    import json
+    import shutil
+    import subprocess
+    import sys
+    source = os.path.dirname(tf_relupool.__file__)
+    shutil.copytree(source, tmp_path / "tf_relupool", ignore=shutil.ignore_patterns(
+        "*.so", "__pycache__"))
+    env = dict(os.environ, PYTHONPATH=str(tmp_path), TF_CPP_MIN_LOG_LEVEL="2")
+    proc = subprocess.run([sys.executable, "-c", _WITHOUT_LIBRARY], capture_output=True,
+                          text=True, timeout=600, cwd=tmp_path, env=env)
+    lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
+    result = json.loads(lines[-1][len("RESULT "):])
+    assert result == {"loaded": False, "same": True, "fused": 1}, result

@@ -19,7 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import tf_relupool
-from tf_relupool import keras_fusion, xla
+from tf_relupool import gradient_sources, keras_fusion, xla
 from conftest import DTYPES, assert_bitwise_equal
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -271,15 +271,21 @@ def test_backward_reads_only_the_codes(k, s, padding):
     assert any(t.dtype == tf.float32 and t.shape == shape for t in stock), stock
 
 
-def test_large_window_falls_back_to_stock_with_one_info_line(caplog):
-    z = tf.random.stateless_normal([2, 12, 12, 2], seed=[1, 2])
-    fn = _grad_fn(lambda t: tf_relupool.relu_max_pool2d(t, 9, 3, "SAME"))
+def _fallback_warnings(caplog):
+    return [r for r in caplog.records if r.levelno == logging.WARNING and
+            "runs stock's ops inside XLA" in r.getMessage()]
+
+
+def test_large_window_falls_back_to_stock_with_one_warning(caplog):
+    """16x16 VALID over 16x16: 256 positions, more than one-byte codes hold."""
+    z = tf.random.stateless_normal([2, 16, 16, 2], seed=[1, 2])
+    fn = _grad_fn(lambda t: tf_relupool.relu_max_pool2d(t, 16, 3, "VALID"))
     with caplog.at_level(logging.INFO, logger="tf_relupool"):
         types, _ = _graph_op_types(fn, tf.TensorSpec(z.shape))
     assert "ReluGrad" in types  # stock ops inside XLA (the XLA form's backward has none)
-    lines = [r for r in caplog.records if "stock ReLU + max pool inside XLA" in r.getMessage()]
-    assert len(lines) == 1 and "9x9" in lines[0].getMessage()
-    ref = tf.function(_grad_fn(lambda t: tf.nn.max_pool2d(tf.nn.relu(t), 9, 3, "SAME")),
+    lines = _fallback_warnings(caplog)
+    assert len(lines) == 1 and "16x16 window with 256 positions" in lines[0].getMessage()
+    ref = tf.function(_grad_fn(lambda t: tf.nn.max_pool2d(tf.nn.relu(t), 16, 3, "VALID")),
                       jit_compile=True)(z)
     for a, b in zip(tf.function(fn, jit_compile=True)(z), ref):
         assert_bitwise_equal(a, b)
@@ -290,7 +296,68 @@ def test_unknown_spatial_dims_fall_back_to_stock(caplog):
     with caplog.at_level(logging.INFO, logger="tf_relupool"):
         types, _ = _graph_op_types(fn, tf.TensorSpec([None, None, None, 3]))
     assert "ReluGrad" in types
-    assert any("spatial dimensions unknown" in r.getMessage() for r in caplog.records)
+    lines = _fallback_warnings(caplog)
+    assert len(lines) == 1 and "height and width are unknown" in lines[0].getMessage()
+
+
+@pytest.mark.parametrize("shape,k,s,padding,positions", [
+    ((2, 4, 4, 3), 9, 1, "SAME", 49),      # a 9x9 window over 4x4: 7x7 positions can hold input
+    ((1, 10, 10, 2), 15, 1, "SAME", 225),
+    ((1, 8, 9, 2), (20, 16), 1, "SAME", 15 * 16),  # a 320-position window
+    ((2, 12, 12, 2), 12, 12, "VALID", 144),
+    ((2, 9, 9, 2), 9, 3, "SAME", 81),
+])
+def test_large_windows_clipped_to_the_input_run_the_xla_form_bitwise(shape, k, s, padding,
+                                                                     positions):
+    """Windows above the old 64-position cap: the XLA form scans the window positions that can
+    hold an input element (at most 254, one-byte codes), bit for bit as the NumPy definition
+    (tied data) and as stock under XLA (distinct values; XLA's CPU order of SAME ties aside)."""
+    kk = (k, k) if isinstance(k, int) else k
+    dims = xla.pool_geometry(shape[1:3], [1, *kk, 1], [1, s, s, 1], padding, [], "NHWC")
+    assert xla.window_positions(dims) == positions
+    fused = _grad_fn(lambda t: tf_relupool.relu_max_pool2d(t, list(kk), s, padding))
+    types, _ = _graph_op_types(fused, tf.TensorSpec(shape))
+    assert "ReluGrad" not in types and "MaxPoolGrad" not in types
+    rng = np.random.default_rng(positions)
+    oh, ow = _pool_dims(shape, kk, (s, s), padding, "NHWC")
+    dy = _data(rng, (shape[0], oh, ow, shape[3]), tf.float32, special=False)
+    z = _data(rng, shape, tf.float32, special=False)
+    dz = _value_and_grad(lambda t: tf_relupool.relu_max_pool2d(t, list(kk), s, padding), z, dy)[1]
+    dz_ref, _ = _reference(z, dy, tf.zeros_like(z), kk, (s, s), padding, "NHWC")
+    assert_bitwise_equal(dz, dz_ref, "gradient vs definition")
+    size = int(np.prod(shape))
+    z = tf.constant((rng.permutation(size) - size // 3).reshape(shape), tf.float32)
+    got = _value_and_grad(lambda t: tf_relupool.relu_max_pool2d(t, list(kk), s, padding), z, dy)
+    ref = _value_and_grad(lambda t: tf.nn.max_pool2d(tf.nn.relu(t), list(kk), s, padding), z, dy)
+    for a, b in zip(got, ref):
+        assert_bitwise_equal(a, b)
+
+
+def test_switch_fallbacks_warn_once_per_reason_and_model_and_are_counted(caplog):
+    """Under the switch, a fallback is a WARNING once per reason and model and a count by
+    reason in keras_fusion.stats(), not a fusion."""
+    def model(shape, pool):
+        inputs = keras.Input(shape)
+        x = keras.layers.Conv2D(2, 3, padding="same", activation="relu")(inputs)
+        x = keras.layers.MaxPooling2D(pool)(x)
+        return keras.Model(inputs, keras.layers.GlobalMaxPooling2D()(x))
+    cases = ((model((None, None, 3), 2), [None, None, None, 3], "unknown_size"),
+             (model((None, None, 3), 2), [None, None, None, 3], "unknown_size"),
+             (model((16, 16, 3), 16), [1, 16, 16, 3], "large_window"))
+    with tf_relupool.recompute(), caplog.at_level(logging.INFO, logger="tf_relupool"):
+        for m, shape, reason in cases:
+            before = keras_fusion.stats()
+            warned = len(_fallback_warnings(caplog))
+            for _ in range(2):  # a second trace of the same model: counted, not warned again
+                fn = tf.function(_grad_fn(lambda t: m(t)), jit_compile=True)
+                types = {op.type for op in fn.get_concrete_function(
+                    tf.TensorSpec(shape)).graph.get_operations()}
+                assert "ReluGrad" in types
+            after = keras_fusion.stats()
+            assert after["fused"] == before["fused"]
+            assert after["fallen_back"][reason] == before["fallen_back"][reason] + 2
+            lines = _fallback_warnings(caplog)[warned:]
+            assert len(lines) == 1 and repr(m.name) in lines[0].getMessage(), lines
 
 
 def test_unknown_batch_runs_the_xla_form():
@@ -325,11 +392,13 @@ def _keras_max_pool():
 
 def test_wrapper_installed_only_while_the_switch_is_on():
     original = _keras_max_pool()
-    assert not keras_fusion.installed()
+    gradient = tf.GradientTape.gradient
+    assert not keras_fusion.installed() and not gradient_sources.installed()
     tf_relupool.enable_recompute()
     assert keras_fusion.installed() and _keras_max_pool() is not original
+    assert gradient_sources.installed() and tf.GradientTape.gradient is not gradient
     tf_relupool.disable_recompute()
-    assert _keras_max_pool() is original
+    assert _keras_max_pool() is original and tf.GradientTape.gradient is gradient
     with tf_relupool.recompute():
         assert keras_fusion.installed()
         with tf_relupool.recompute(None):
@@ -405,6 +474,284 @@ def test_relu_with_another_consumer_still_exact():
             assert_bitwise_equal(g, r)
         else:  # TF 2.18's XLA sums the two branches in another order (docs/xla.md)
             np.testing.assert_allclose(g.numpy(), r.numpy(), rtol=1e-5, atol=1e-7)
+
+
+def _activation_model(other_consumer, pad=False, data_format="channels_last"):
+    """A Grad-CAM model: outputs the ReLU's output `a` and the logits; with `other_consumer`,
+    `a` also feeds a second branch added to the logits."""
+    keras.utils.set_random_seed(2)
+    shape = (10, 10, 3) if data_format == "channels_last" else (3, 10, 10)
+    inputs = keras.Input(shape)
+    a = keras.layers.ReLU()(keras.layers.Conv2D(4, 3, padding="same",
+                                                data_format=data_format)(inputs))
+    x = keras.layers.ZeroPadding2D(1, data_format=data_format)(a) if pad else a
+    x = keras.layers.MaxPooling2D(2, data_format=data_format)(x)
+    logits = keras.layers.Dense(3)(keras.layers.Flatten()(x))
+    if other_consumer:
+        b = keras.layers.GlobalAveragePooling2D(data_format=data_format)(a)
+        logits = keras.layers.Add()([logits, keras.layers.Dense(3)(b)])
+    return keras.Model(inputs, [a, logits])
+
+
+def _counts():
+    return keras_fusion.stats()["fused"], gradient_sources.stats()
+
+
+@pytest.mark.parametrize("other_consumer,pad,data_format", [
+    (False, False, "channels_last"), (True, False, "channels_last"),
+    (False, True, "channels_last"), (True, False, "channels_first")])
+def test_gradient_with_respect_to_the_relu_output_is_stock(other_consumer, pad, data_format):
+    """Grad-CAM: `tape.gradient(score, a)` where `a` is the ReLU's output that the fusion skips.
+    Stock's gradient bit for bit (never None, never the other branch's part alone), and with it
+    the weights' gradients of the same call; the fusion itself still happened."""
+    model = _activation_model(other_consumer, pad, data_format)
+    x = tf.random.stateless_normal((3,) + tuple(model.input.shape[1:]), seed=[9, 1])
+
+    @tf.function(jit_compile=True)
+    def step(x):
+        with tf.GradientTape() as tape:
+            a, logits = model(x)
+            score = tf.reduce_sum(logits[:, 1])
+        return tape.gradient(score, [a] + model.trainable_variables)
+    ref = step(x)
+    fused, routes = _counts()
+    with tf_relupool.recompute():
+        got = tf.function(step.python_function, jit_compile=True)(x)
+    assert keras_fusion.stats()["fused"] == fused + 1
+    assert gradient_sources.stats()["source"] == routes["source"] + 1
+    assert got[0] is not None
+    for g, r in zip(got, ref):
+        assert_bitwise_equal(g, r)
+
+
+def test_gradient_with_respect_to_the_relu_output_without_xla_is_stock():
+    """Without XLA the Grappler pass decides: it leaves a pool whose MaxPoolGrad feeds more than
+    the ReLU's gradient (here: the gradient returned for `a`) unfused; stock's bits."""
+    model = _activation_model(True)
+    x = tf.random.stateless_normal((3, 10, 10, 3), seed=[9, 3])
+
+    def step(x):
+        with tf.GradientTape() as tape:
+            a, logits = model(x)
+            score = tf.reduce_sum(logits[:, 1])
+        return tape.gradient(score, [a] + model.trainable_variables)
+    ref = tf.function(step)(x)
+    with tf_relupool.recompute():
+        got = tf.function(step)(x)
+    assert got[0] is not None
+    for g, r in zip(got, ref):
+        assert_bitwise_equal(g, r)
+
+
+def test_jacobians_and_tf_gradients_with_respect_to_the_relu_output_are_stock():
+    """jacobian/batch_jacobian go through tape.gradient (its sources recorded); tf.gradients has
+    no tape: the stock route, counted as "unknown"."""
+    model = _activation_model(True)
+    x = tf.random.stateless_normal((2, 10, 10, 3), seed=[9, 2])
+
+    def jacobians(x):
+        with tf.GradientTape(persistent=True) as tape:
+            a, logits = model(x)
+            score = logits[:, 1]
+        return tape.jacobian(score, a), tape.batch_jacobian(logits, a)
+
+    def symbolic(x):
+        a, logits = model(x)
+        return tf.gradients(tf.reduce_sum(logits), [a] + model.trainable_variables)
+    for fn, route in ((jacobians, "source"), (symbolic, "unknown")):
+        ref = tf.function(fn, jit_compile=True)(x)
+        fused, routes = _counts()
+        with tf_relupool.recompute():
+            got = tf.function(fn, jit_compile=True)(x)
+        assert keras_fusion.stats()["fused"] > fused
+        assert gradient_sources.stats()[route] > routes[route], fn.__name__
+        assert gradient_sources.stats()["fused"] == routes["fused"], fn.__name__
+        for g, r in zip(tf.nest.flatten(got), tf.nest.flatten(ref)):
+            assert_bitwise_equal(g, r, fn.__name__)
+
+
+def test_fit_of_a_model_that_outputs_its_activation_keeps_the_fused_backward_bitwise():
+    """Keras fit, loss on the activation and on the logits, jit_compile=True: the train step
+    takes gradients with respect to variables only, so the fused backward runs (the recorded
+    route), and the weights after two epochs are stock's bit for bit."""
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(16, 10, 10, 3)).astype("float32")
+    targets = [rng.normal(size=(16, 10, 10, 4)).astype("float32"), rng.integers(0, 3, size=(16,))]
+
+    def train():
+        model = _activation_model(True)
+        model.compile(keras.optimizers.SGD(0.1),
+                      ["mse", keras.losses.SparseCategoricalCrossentropy(from_logits=True)],
+                      jit_compile=True)
+        model.fit(x, targets, batch_size=8, epochs=2, shuffle=False, verbose=0)
+        return model.get_weights()
+    ref = train()
+    fused, routes = _counts()
+    with tf_relupool.recompute():
+        got = train()
+    assert keras_fusion.stats()["fused"] > fused
+    now = gradient_sources.stats()
+    assert now["fused"] > routes["fused"]
+    assert (now["source"], now["unknown"]) == (routes["source"], routes["unknown"])
+    for g, r in zip(got, ref):
+        assert_bitwise_equal(g, r)
+
+
+def _raw_tf_step(pool, pad=False, data_format="NHWC"):
+    """conv -> tf.nn.relu -> (tf.pad) -> tf.nn.max_pool2d / tf.nn.max_pool, gradients for the
+    input and the kernel."""
+    w = tf.constant(np.random.default_rng(4).normal(size=(3, 3, 3, 4)), tf.float32)
+
+    def step(x):
+        with tf.GradientTape() as tape:
+            tape.watch([x, w])
+            a = tf.nn.relu(tf.nn.conv2d(x, w, 1, "SAME", data_format=data_format))
+            if pad:
+                spatial = [[1, 1], [1, 1]]
+                a = tf.pad(a, [[0, 0]] + spatial + [[0, 0]] if data_format == "NHWC"
+                           else [[0, 0], [0, 0]] + spatial)
+            if pool == "max_pool2d":
+                y = tf.nn.max_pool2d(a, 3, 2, "SAME", data_format=data_format)
+            else:
+                y = tf.nn.max_pool(a, [2, 2], [2, 2], "VALID", data_format=data_format)
+            loss = tf.reduce_sum(y * y)
+        return [y] + tape.gradient(loss, [x, w])
+    return step
+
+
+@pytest.mark.parametrize("pool,pad,data_format", [
+    ("max_pool2d", False, "NHWC"), ("max_pool", False, "NHWC"), ("max_pool2d", True, "NHWC"),
+    ("max_pool", False, "NCHW")])
+def test_switch_fuses_raw_tf_nn_pooling_inside_xla_bitwise(pool, pad, data_format):
+    """tf.nn.relu + tf.nn.max_pool2d / tf.nn.max_pool (no Keras) inside
+    tf.function(jit_compile=True): fused (no MaxPoolGrad, no ReluGrad), bit for bit as stock."""
+    shape = (2, 9, 9, 3) if data_format == "NHWC" else (2, 3, 9, 9)
+    x = tf.random.stateless_normal(shape, seed=[4, 5])
+    step = _raw_tf_step(pool, pad, data_format)
+    ref = tf.function(step, jit_compile=True)(x)
+    before = keras_fusion.stats()
+    with tf_relupool.recompute():
+        fn = tf.function(step, jit_compile=True)
+        types = {op.type for op in fn.get_concrete_function(x).graph.get_operations()}
+        got = fn(x)
+    after = keras_fusion.stats()
+    assert after["fused"] == before["fused"] + 1
+    assert after["fused_through_pad"] == before["fused_through_pad"] + pad
+    assert not types & {"MaxPoolGrad", "MaxPoolGradV2", "ReluGrad"}, types
+    for g, r in zip(got, ref):
+        assert_bitwise_equal(g, r)
+
+
+@pytest.mark.parametrize("pool", ["tf.nn", "keras"])
+def test_switch_leaves_stocks_own_error_for_a_window_that_does_not_fit(pool):
+    def fn(x):
+        if pool == "keras":
+            return keras.ops.max_pool(tf.nn.relu(x), 5, 1, "valid")
+        return tf.nn.max_pool2d(tf.nn.relu(x), 5, 1, "VALID")
+    messages = []
+    for on in (None, "argmax"):
+        with tf_relupool.recompute(on), pytest.raises(ValueError) as error:
+            tf.function(fn, jit_compile=True).get_concrete_function(tf.TensorSpec([1, 3, 3, 1]))
+        messages.append(str(error.value).splitlines()[-1])
+    assert "Negative dimension size" in messages[0] and messages[1] == messages[0], messages
+
+
+def test_tf_nn_wrappers_installed_only_while_the_switch_is_on():
+    originals = tf.nn.max_pool2d, tf.nn.max_pool
+    with tf_relupool.recompute():
+        assert keras_fusion.tf_nn_installed()
+        assert (tf.nn.max_pool2d, tf.nn.max_pool) != originals
+        assert tf.nn.max_pool2d.__wrapped__ is originals[0]
+    assert not keras_fusion.tf_nn_installed()
+    assert (tf.nn.max_pool2d, tf.nn.max_pool) == originals
+
+
+def test_grad_cam_through_raw_tf_nn_is_stock():
+    """tape.gradient with respect to tf.nn.relu's output, tf.nn.max_pool2d after it."""
+    w = tf.constant(np.random.default_rng(5).normal(size=(3, 3, 3, 4)), tf.float32)
+
+    def step(x):
+        with tf.GradientTape() as tape:
+            a = tf.nn.relu(tf.nn.conv2d(x, w, 1, "SAME"))
+            tape.watch(a)
+            score = tf.reduce_sum(tf.nn.max_pool2d(a, 2, 2, "VALID") ** 2) + tf.reduce_sum(a)
+        return tape.gradient(score, a)
+    x = tf.random.stateless_normal((2, 8, 8, 3), seed=[6, 5])
+    ref = tf.function(step, jit_compile=True)(x)
+    with tf_relupool.recompute():
+        got = tf.function(step, jit_compile=True)(x)
+    assert_bitwise_equal(got, ref)
+
+
+@pytest.mark.parametrize("broken", ["keras", "tf.nn"])
+def test_enable_warns_where_the_dispatch_does_not_reach_a_wrapper(broken, monkeypatch, caplog):
+    """enable_recompute() probes each wrapped path (a tiny traced ReLU + pool) and warns, naming
+    it, where the call does not reach the wrapper (here: the wrapper installed on a stand-in
+    module that nothing calls)."""
+    import types
+    if broken == "keras":
+        from keras.src.backend.tensorflow import nn
+        fake = types.SimpleNamespace(max_pool=nn.max_pool)
+        monkeypatch.setattr(keras_fusion, "_backend_nn", lambda: fake)
+        expected = "Keras' MaxPooling2D"
+    else:
+        fake = types.SimpleNamespace(max_pool2d=tf.nn.max_pool2d, max_pool=tf.nn.max_pool)
+        monkeypatch.setattr(keras_fusion, "_tf_nn_modules", lambda: [fake])
+        expected = "tf.nn.max_pool2d"
+    with caplog.at_level(logging.WARNING, logger="tf_relupool"):
+        tf_relupool.enable_recompute()
+        tf_relupool.disable_recompute()
+    lines = [r.getMessage() for r in caplog.records if "did not reach" in r.getMessage()]
+    assert len(lines) == 1 and expected in lines[0], lines
+
+
+@pytest.mark.parametrize("policy", ["float32", "mixed_bfloat16"])
+def test_enable_probe_passes_silently_when_the_dispatch_reaches_the_wrappers(policy, monkeypatch,
+                                                                            caplog):
+    """(Under a mixed-precision policy too, where Keras would cast a layer's input first.)"""
+    monkeypatch.setattr(keras_fusion, "_probed", set())
+    before = keras_fusion.stats()
+    previous = keras.config.dtype_policy()
+    keras.config.set_dtype_policy(policy)
+    try:
+        with caplog.at_level(logging.WARNING, logger="tf_relupool"):
+            tf_relupool.enable_recompute()
+    finally:
+        keras.config.set_dtype_policy(previous)
+    assert not [r for r in caplog.records if "did not reach" in r.getMessage()]
+    assert keras_fusion._probed  # noqa: SLF001 - the probe ran and passed
+    assert keras_fusion.stats() == before  # the probe counts nothing
+
+
+_FROM_ENVIRONMENT = r"""
+import json, sys
+sys.path.insert(0, sys.argv[1])
+import tensorflow as tf, tf_relupool
+from tf_relupool import keras_fusion
+tf.config.threading.set_inter_op_parallelism_threads(1)  # the import left the context alone
+before = bool(keras_fusion._probed)
+x = tf.ones([2])
+with tf.GradientTape() as tape:
+    tape.watch(x)
+    y = tf.reduce_sum(x * x)
+tape.gradient(y, x)
+print("RESULT " + json.dumps({"installed": keras_fusion.installed() and
+                              keras_fusion.tf_nn_installed(), "before": before,
+                              "after": bool(keras_fusion._probed)}))
+"""
+
+
+def test_switch_from_the_environment_probes_at_the_first_gradient():
+    """TF_RELUPOOL_RECOMPUTE=1: the wrappers are installed at import, but the dispatch probe
+    (which traces a function, initializing TensorFlow's context) waits for the first
+    tape.gradient call, so that the program can still configure TensorFlow after the import."""
+    env = dict(os.environ, TF_RELUPOOL_RECOMPUTE="1", TF_CPP_MIN_LOG_LEVEL="2")
+    proc = subprocess.run([sys.executable, "-c", _FROM_ENVIRONMENT, os.path.dirname(HERE)],
+                          capture_output=True, text=True, timeout=600, cwd=HERE, env=env)
+    lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
+    assert json.loads(lines[-1][len("RESULT "):]) == {"installed": True, "before": False,
+                                                      "after": True}
 
 
 def test_switch_outside_xla_leaves_tracing_to_grappler():

@@ -15,12 +15,18 @@ changes a model's graph, and turning it on is one visible line.
 While the switch is on, stock ``relu`` + ``max_pool`` (and their gradients) are fused too:
 by tf_relupool's graph optimizer inside Grappler (tf_relupool/grappler.py) in every graph
 TensorFlow optimizes, and, inside XLA-compiled functions (which never reach Grappler: Keras'
-default compile on a GPU, ``jit_compile=True``), where Keras' ``MaxPooling2D`` is traced
-(tf_relupool/keras_fusion.py). Stock Keras models and ``tf.function`` code need no other change.
+default compile on a GPU, ``jit_compile=True``), where Keras' ``MaxPooling2D`` /
+``keras.ops.max_pool`` or TensorFlow's ``tf.nn.max_pool2d`` / ``tf.nn.max_pool`` is traced
+over a ``Relu`` (or a zero ``Pad`` of one; tf_relupool/keras_fusion.py, docs/xla.md lists what
+is not covered there: ``tf.raw_ops``, ``tf.compat.v1.nn.max_pool``, a ``max_pool2d`` imported
+by name before the switch turned on). Stock Keras models and ``tf.function`` code need no other
+change.
 
 The switch is read when a layer's ``call`` is traced (when Keras builds its train/predict
 function), and by the graph optimizer when TensorFlow optimizes a function (its first call), not
-at every step: change it before ``compile``/``fit``, or recompile the model.
+at every step: enabling or disabling it acts on later traces only. Change it before
+``compile``/``fit``, or re-trace: ``model.compile(...)`` again (new train/predict functions), or
+a new ``tf.function`` object for your own functions.
 The switch is process-global (not per thread) so that replica threads of a
 ``tf.distribute`` strategy see the same value as the thread that set it.
 """
@@ -78,7 +84,10 @@ def enable_recompute(keep=KEEP_ARGMAX):
         nor its ReLU. "input": the pre-ReLU input, from which the backward recomputes the argmax
         (SystemML's recomputation of activations).
 
-    Takes effect for functions traced afterwards (compile/fit a model after calling it).
+    Takes effect for functions traced afterwards (compile/fit a model after calling it; a model
+    compiled before needs `model.compile(...)` again, a `tf.function` traced before a new
+    `tf.function` object). Under XLA, warns if Keras' or TensorFlow's max pooling does not
+    reach tf_relupool's wrappers (a probe traces a tiny ReLU + max pool; docs/xla.md).
 
     Raises:
       ValueError: `keep` is not "argmax" or "input".
@@ -136,11 +145,12 @@ def recompute(keep=KEEP_ARGMAX):
             _notify_grappler()
 
 
-def _notify_grappler():
+def _notify_grappler(at_import=False):
     """Passes the switch to the graph optimizer inside TensorFlow (tf_relupool/grappler.py) and
-    to the trace-time fusion of Keras' max pooling under XLA (tf_relupool/keras_fusion.py)."""
+    to the trace-time fusion under XLA (tf_relupool/keras_fusion.py; `at_import`: its dispatch
+    probe waits for the first gradient, as importing must not initialize TensorFlow's context)."""
     from tf_relupool import grappler, keras_fusion  # late: grappler loads the op library
-    keras_fusion.set_enabled(_mode is not None)
+    keras_fusion.set_enabled(_mode is not None, probe_now=not at_import)
     grappler.set_mode(_mode)
 
 
@@ -157,7 +167,7 @@ def _init_from_environment():
         _mode = None
     if _mode is not None:
         logger.info("recompute switch on from %s=%r: keep=%r", ENV_VAR, value, _mode)
-        _notify_grappler()
+        _notify_grappler(at_import=True)
 
 
 _init_from_environment()

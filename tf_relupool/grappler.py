@@ -146,7 +146,8 @@ def ensure_registered():
 def set_mode(mode):
     """Tells the optimizer the switch's value (None, "argmax", "input"); registers it on first
     use. Called by tf_relupool.config whenever the switch changes. Never raises: a failure
-    leaves the switch working for tf_relupool's layers only, with one warning."""
+    leaves the switch fusing stock ops inside XLA-compiled functions only (and tf_relupool's
+    layers where the op library loads), with one warning."""
     if mode not in MODE_CODES:
         raise ValueError(f"mode must be one of {tuple(MODE_CODES)}, got {mode!r}")
     with _lock:
@@ -157,7 +158,8 @@ def set_mode(mode):
                 register()
             except GrapplerUnavailable as e:
                 if _failure_warned():
-                    logger.warning("%s; enable_recompute() affects tf_relupool's layers only", e)
+                    logger.warning("%s; the switch fuses stock ReLU + max pool inside "
+                                   "XLA-compiled functions only (that needs no library)", e)
                 return
         if _lib is not None:
             _lib.tf_relupool_grappler_set_mode(MODE_CODES[mode])

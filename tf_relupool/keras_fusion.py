@@ -1,44 +1,73 @@
-"""The switch for stock Keras models under XLA: ReLU + max pool fused where Keras traces them.
+"""The switch under XLA: stock ReLU + max pool fused where they are traced.
 
 Keras 3 compiles a model's train/predict functions with XLA by default on a GPU
 (`compile(jit_compile="auto")`), and XLA-compiled functions never reach Grappler, where the
 switch fuses stock graphs otherwise (tf_relupool/grappler.py). So while the switch is on,
-tf_relupool wraps the max pooling of Keras' TensorFlow backend (`keras.src.backend.tensorflow.nn
-.max_pool`, which `MaxPooling2D` and `keras.ops.max_pool` call): inside an XLA-compiled function,
-a 2-D max pool whose input is, at trace time, the output of a `Relu` op, or a zero-constant
-`Pad` of one (the ResNet stem's `ZeroPadding2D`), becomes the fused op in its XLA form
-(tf_relupool/xla.py) over the ReLU's input. Those are the trace-time patterns of the pattern
-table (tf_relupool.patterns: cc/grappler/patterns.h, which the Grappler pass reads too).
-Everywhere else (no XLA, another producer, 1-D/3-D pooling) the wrapped function calls Keras'
-own unchanged.
+tf_relupool wraps
+
+- the max pooling of Keras' TensorFlow backend (`keras.src.backend.tensorflow.nn.max_pool`,
+  which `MaxPooling2D` and `keras.ops.max_pool` call), and
+- TensorFlow's `tf.nn.max_pool2d` and `tf.nn.max_pool` (4-D; the attributes of the `tf.nn` and
+  `tf.compat.v2.nn` modules, which calls like `tf.nn.max_pool2d(...)` look up when they run),
+
+and inside an XLA-compiled function a 2-D max pool whose input is, at trace time, the output of
+a `Relu` op, or a zero-constant `Pad` of one (the ResNet stem's `ZeroPadding2D`), becomes the
+fused op in its XLA form (tf_relupool/xla.py) over the ReLU's input. Keras' wrapper is still
+needed beside TensorFlow's: for channels_first, Keras transposes the input to NHWC before it
+calls `tf.nn.max_pool`, and TensorFlow's wrapper sees a Transpose there, not a ReLU; each
+wrapper calls the functions it wraps with the other one stepped aside. Those are the trace-time
+patterns of the pattern table (cc/grappler/patterns.h, which the Grappler pass reads), held in
+Python too (tf_relupool.patterns.TRACE_PATTERNS, checked against the library's table): the
+route needs no op library. Everywhere else (no XLA, another producer, 1-D/3-D pooling, a window
+given as a tensor, `tf.raw_ops.MaxPool`, a `max_pool2d` imported by name before the switch
+turned on) the wrapped functions run unchanged.
 
 Exact: the fused op computes max_pool(relu(z)) and its gradient bit for bit as stock does under
 XLA. The `Relu` op stays in the graph; when nothing else reads it, XLA drops it, otherwise its
 other consumers get it as before, and z's gradient is the sum of the fused op's and theirs (for
-one other consumer, the same sum stock makes, addition being commutative; docs/xla.md).
+one other consumer, the same sum stock makes, addition being commutative; docs/xla.md). The
+fused op takes the pool's traced input as a second, formal input: when the gradient being
+computed is taken with respect to a tensor the fusion skips (the ReLU's output, a Pad's; a
+Grad-CAM `tape.gradient(score, activation)`), its gradient function returns stock's gradient of
+the pool into that input instead, and the tape continues through stock's Relu into z as stock
+does (tf_relupool/gradient_sources.py: how the sources are known, and the stock route where
+they are not, e.g. `tf.gradients`).
 
-The wrapper is installed when the switch turns on and removed when it turns off
-(`disable_recompute()`, the end of a `recompute()` block): with the switch off, Keras' function
-is the original object again. The switch is read at trace time, like everything else it does.
+The wrappers (and gradient_sources' wrapper of `tf.GradientTape.gradient`) are installed when
+the switch turns on and removed when it turns off (`disable_recompute()`, the end of a
+`recompute()` block): with the switch off, the wrapped functions are the original objects again.
+When they are installed, a probe traces a tiny ReLU + `MaxPooling2D` (channels_first: only
+Keras' wrapper fuses it) and a ReLU + `tf.nn.max_pool2d` / `tf.nn.max_pool` inside
+`tf.function(jit_compile=True)` (tracing only, no compilation) and warns, naming the path,
+where the call does not reach the wrapper. The switch is read at trace time, like everything
+else it does: functions traced before it changed keep what they were traced with.
 """
 import logging
 import threading
 
 import numpy as np
 
-from tf_relupool import patterns
+from tf_relupool import gradient_sources, patterns
 
 logger = logging.getLogger("tf_relupool")
 
 _lock = threading.Lock()
 _original = []  # [Keras' own max_pool] while the wrapper is installed
+_tf_originals = {}  # (id(module), name) -> (module, TensorFlow's own function) while wrapped
+_TF_NAMES = ("max_pool2d", "max_pool")
+_local = threading.local()  # .bypass: a wrapper calls what it wraps; .probe: the names reached
+_probed = set()  # the (Keras nn, tf.nn) pairs whose probe found every path reaching a wrapper
 _stats = {"fused": 0, "fused_through_pad": 0}
-_warned = set()  # what was warned once: a role without a rule here, or "table" (unreadable)
+_fallen_back = {"unknown_size": 0, "large_window": 0}  # xla.UNKNOWN_SIZE, xla.LARGE_WINDOW
+_DTYPES = ("float16", "bfloat16", "float32", "float64")
+_warned = set()  # the roles without a rule here, warned once
 
 
 def stats():
-    """Counts of trace-time fusions since import: {"fused": n, "fused_through_pad": m}."""
-    return dict(_stats)
+    """Counts since import of the trace-time fusion's decisions: {"fused": n,
+    "fused_through_pad": m (of n), "fallen_back": {reason: k}}, where a reason (xla.UNKNOWN_SIZE,
+    xla.LARGE_WINDOW) made a ReLU + max pool run stock's ops inside XLA (with a warning)."""
+    return dict(_stats, fallen_back=dict(_fallen_back))
 
 
 def _backend_nn():
@@ -53,17 +82,56 @@ def _backend_nn():
         return None
 
 
-def set_enabled(on):
-    """Installs (on) or removes (off) the wrapper around Keras' TensorFlow max_pool."""
+def _tf_nn_modules():
+    """The module objects whose max_pool2d/max_pool TensorFlow code calls: tf.nn and
+    tf.compat.v2.nn (one function object, two modules)."""
+    import tensorflow as tf
+    modules = [tf.nn]
+    v2 = getattr(getattr(getattr(tf, "compat", None), "v2", None), "nn", None)
+    if v2 is not None and v2 is not tf.nn:
+        modules.append(v2)
+    return modules
+
+
+def set_enabled(on, probe_now=True):
+    """Installs (on) or removes (off) the wrappers around Keras' TensorFlow max_pool and
+    TensorFlow's tf.nn.max_pool2d / tf.nn.max_pool, and gradient_sources' wrapper; after an
+    install, probes that the calls reach them (module doc): now, or with `probe_now` False (the
+    switch set from the environment at import, which must not initialize TensorFlow's context)
+    at the first tf.GradientTape.gradient call."""
+    gradient_sources.set_enabled(on)
     nn = _backend_nn()
-    if nn is None:
-        return
+    installed_now = False
     with _lock:
-        if on and not _original:
-            _original.append(nn.max_pool)
-            nn.max_pool = _max_pool
-        elif not on and _original:
-            nn.max_pool = _original.pop()
+        if on:
+            if nn is not None and not _original:
+                _original.append(nn.max_pool)
+                nn.max_pool = _keras_wrapper()
+                installed_now = True
+            for module in _tf_nn_modules():
+                for name in _TF_NAMES:
+                    if (id(module), name) not in _tf_originals:
+                        current = getattr(module, name, None)
+                        if current is None:
+                            continue
+                        _tf_originals[(id(module), name)] = (module, current)
+                        setattr(module, name, _tf_wrapper(name, current))
+                        installed_now = True
+        else:
+            if _original:
+                original = _original.pop()
+                if nn is not None and nn.max_pool is _keras_wrapper():
+                    nn.max_pool = original
+            for key, (module, original) in list(_tf_originals.items()):
+                name = key[1]
+                if getattr(getattr(module, name, None), "_tf_relupool_wraps", None) is original:
+                    setattr(module, name, original)
+                del _tf_originals[key]
+    if on and installed_now:
+        if probe_now:
+            _check_dispatch(nn)
+        else:
+            gradient_sources.before_next_gradient(lambda: _check_dispatch(_backend_nn()))
 
 
 def installed():
@@ -80,18 +148,12 @@ def _const(tensor):
 
 
 def _fusable_input(inputs):
-    """(z, pad) where `inputs`, a max pool's input, completes a trace-time pattern of the table
-    (tf_relupool.patterns, the one the Grappler pass reads): Relu(z) -> (z, None); Pad(Relu(z))
-    padding with a value c that ReLU keeps bit for bit (c >= +0, not NaN) -> (z, (paddings, c));
-    else None."""
-    try:
-        trace_patterns = patterns.for_fuser("trace")
-    except Exception as e:  # noqa: BLE001 - the library's table unreadable: stock, never a crash
-        if "table" not in _warned:
-            _warned.add("table")
-            logger.warning("tf_relupool: the pattern table could not be read (%s); Keras' max "
-                           "pooling runs stock's ops under XLA", e)
-        return None
+    """(z, pad, skipped) where `inputs`, a max pool's input, completes a trace-time pattern of
+    the table (tf_relupool.patterns, the one the Grappler pass reads): Relu(z) -> (z, None,
+    (relu,)); Pad(Relu(z)) padding with a value c that ReLU keeps bit for bit (c >= +0, not NaN)
+    -> (z, (paddings, c), (pad, relu)): `skipped` are the tensors between z and the pool; else
+    None."""
+    trace_patterns = patterns.trace_patterns()  # in Python: no op library needed
     for p in trace_patterns:
         if p.chain[0] == "pool":
             found = _match(inputs, p.chain[1:])
@@ -101,14 +163,17 @@ def _fusable_input(inputs):
 
 
 def _match(tensor, roles):
-    """(z, pad) when `tensor` is made by ops playing `roles` in turn, the last one a ReLU."""
+    """(z, pad, skipped) when `tensor` is made by ops playing `roles` in turn, the last one a
+    ReLU."""
     pad = None
+    skipped = []
     for i, role in enumerate(roles):
         op = getattr(tensor, "op", None)
-        if op is None or op.type not in patterns.role_ops(role):
+        if op is None or op.type not in patterns.trace_role_ops(role):
             return None
+        skipped.append(tensor)
         if role == "relu":
-            return (op.inputs[0], pad) if i == len(roles) - 1 else None
+            return (op.inputs[0], pad, tuple(skipped)) if i == len(roles) - 1 else None
         if role != "pad":
             if role not in _warned:
                 _warned.add(role)
@@ -137,31 +202,177 @@ def _pad_constant(op, output):
     return paddings.tolist(), c
 
 
-def _max_pool(inputs, pool_size, strides=None, padding="valid", data_format=None):
-    """Keras' TensorFlow max_pool, fused with a ReLU in front of it under XLA (module doc)."""
-    original = _original[0] if _original else None
+class _Bypass:
+    """While a wrapper calls the function it wraps: the wrappers pass straight through."""
+
+    def __enter__(self):
+        _local.bypass = getattr(_local, "bypass", 0) + 1
+
+    def __exit__(self, *exc):
+        _local.bypass -= 1
+
+
+def _active():
     from tf_relupool import config, xla
-    if original is None or config.recompute_mode() is None or not xla.in_xla_context():
-        return (original or _backend_nn().max_pool)(inputs, pool_size, strides, padding,
-                                                    data_format)
-    import keras
+    return (not getattr(_local, "bypass", 0) and config.recompute_mode() is not None
+            and xla.in_xla_context())
+
+
+def _fuse(inputs, ksize, strides, padding, fmt, stock_pool, path):
+    """The fused XLA form in place of `stock_pool(inputs)` (ksize/strides: 4-entry attributes in
+    `fmt`, padding "VALID"/"SAME"), stock's pool where a fallback reason applies, or None where
+    `inputs` completes no trace-time pattern. `path` names the wrapper (for the probe)."""
     import tensorflow as tf
-    found = None
-    if isinstance(inputs, tf.Tensor) and inputs.shape.rank == 4 and isinstance(padding, str):
-        found = _fusable_input(inputs)
+    from tf_relupool import xla
+    if not (isinstance(inputs, tf.Tensor) and inputs.shape.rank == 4
+            and padding in ("VALID", "SAME") and inputs.dtype.name in _DTYPES):
+        return None
+    found = _fusable_input(inputs)
     if found is None:
-        return original(inputs, pool_size, strides, padding, data_format)
-    z, pad = found
-    data_format = keras.src.backend.standardize_data_format(data_format)
-    fmt = "NHWC" if data_format == "channels_last" else "NCHW"
-    from tf_relupool.ops import relu_max_pool2d
+        return None
+    probe = getattr(_local, "probe", None)
+    if probe is not None:  # _check_dispatch: reached; nothing built, nothing counted
+        probe.add(path)
+        return stock_pool(inputs)
+    z, pad, skipped = found
+    try:
+        reason = xla.unsupported_reason(inputs.shape, ksize, strides, padding, [], fmt)
+    except ValueError:  # no window fits the input: stock's own function reports it
+        return stock_pool(inputs)
+    if reason is not None:
+        _fallen_back[reason[0]] += 1
+        xla.warn_fallback(*reason)
+        return stock_pool(inputs)
     if pad is not None:
         z = tf.pad(z, pad[0], constant_values=tf.constant(pad[1], z.dtype))
     _stats["fused"] += 1
     _stats["fused_through_pad"] += pad is not None
-    return relu_max_pool2d(z, ksize=list(_pair(pool_size)),
-                           strides=list(_pair(pool_size if strides is None else strides)),
-                           padding=padding.upper(), data_format=fmt)
+    return xla.relu_max_pool2d(z, ksize, strides, padding, [], fmt,
+                               traced=xla.TracedPool(inputs, skipped, stock_pool))
+
+
+def _no_autograph(fn):
+    """`fn` left unconverted by AutoGraph (it branches on Python values only): a traced call
+    goes straight to it, as to the function it wraps."""
+    import tensorflow as tf
+    return tf.autograph.experimental.do_not_convert(fn)
+
+
+_keras_wrappers = []
+
+
+def _keras_wrapper():
+    """The object installed as Keras' max_pool (_max_pool, left unconverted by AutoGraph)."""
+    if not _keras_wrappers:
+        _keras_wrappers.append(_no_autograph(_max_pool))
+    return _keras_wrappers[0]
+
+
+def _max_pool(inputs, pool_size, strides=None, padding="valid", data_format=None):
+    """Keras' TensorFlow max_pool, fused with a ReLU in front of it under XLA (module doc)."""
+    original = _original[0] if _original else _backend_nn().max_pool
+
+    def stock_pool(t):
+        with _Bypass():
+            return original(t, pool_size, strides, padding, data_format)
+    if _active() and isinstance(padding, str):
+        import keras
+        fmt = ("NHWC" if keras.src.backend.standardize_data_format(data_format) ==
+               "channels_last" else "NCHW")
+        try:
+            ksize = _attr(pool_size, fmt)
+            stride_attr = _attr(pool_size if strides is None else strides, fmt)
+        except (TypeError, ValueError):  # not ints: Keras' own function says what is wrong
+            return stock_pool(inputs)
+        out = _fuse(inputs, ksize, stride_attr, padding.upper(), fmt, stock_pool, "keras")
+        if out is not None:
+            return out
+    return stock_pool(inputs)
+
+
+def _tf_wrapper(fn_name, original):
+    """tf.nn.max_pool2d or tf.nn.max_pool (`original`), fused with a ReLU in front of it under
+    XLA for 4-D inputs (module doc)."""
+    def wrapper(input, ksize, strides, padding, data_format=None, name=None):  # noqa: A002
+        if data_format is None and fn_name == "max_pool2d":
+            data_format = "NHWC"
+
+        def stock_pool(t):
+            with _Bypass():
+                return original(t, ksize, strides, padding, data_format=data_format, name=name)
+        fmt = "NHWC" if data_format is None else data_format
+        if _active() and isinstance(padding, str) and fmt in ("NHWC", "NCHW"):
+            from tf_relupool import ops
+            try:
+                k4 = ops._window_attr(ksize, "ksize", fmt)  # noqa: SLF001
+                s4 = ops._window_attr(strides, "strides", fmt)  # noqa: SLF001
+            except ValueError:  # a tensor, another rank's form: stock's own function
+                return stock_pool(input)
+            out = _fuse(input, k4, s4, padding.upper(), fmt, stock_pool, f"tf.nn.{fn_name}")
+            if out is not None:
+                return out
+        return stock_pool(input)
+    wrapper.__name__ = wrapper.__qualname__ = fn_name
+    wrapper = _no_autograph(wrapper)
+    wrapper.__doc__ = original.__doc__
+    wrapper.__wrapped__ = original
+    wrapper._tf_relupool_wraps = original
+    return wrapper
+
+
+def tf_nn_installed():
+    """Whether tf.nn.max_pool2d and tf.nn.max_pool are wrapped now."""
+    return bool(_tf_originals)
+
+
+def _check_dispatch(nn):
+    """Traces a tiny ReLU + max pool through each wrapped path inside a jit-compiled function
+    (no compilation) and warns for each path whose call does not reach its wrapper (module
+    doc); a pair of modules that passed is not probed again."""
+    import tensorflow as tf
+    key = (id(nn), tuple(id(m) for m in _tf_nn_modules()))
+    if key in _probed:
+        return
+    paths = {
+        "tf.nn.max_pool2d": lambda x: tf.nn.max_pool2d(tf.nn.relu(x), 2, 2, "VALID"),
+        "tf.nn.max_pool": lambda x: tf.nn.max_pool(tf.nn.relu(x), 2, 2, "VALID"),
+    }
+    if nn is not None:
+        import keras
+        # named: Keras' automatic layer names stay as they were; float32: a mixed-precision
+        # policy would cast the ReLU's output first
+        layer = keras.layers.MaxPooling2D(2, data_format="channels_first",
+                                          name="tf_relupool_probe", dtype="float32")
+        paths["keras"] = lambda x: layer(tf.nn.relu(x))
+    missing = []
+    for path, fn in paths.items():
+        _local.probe = reached = set()
+        try:
+            tf.function(fn, jit_compile=True, autograph=False).get_concrete_function(
+                tf.TensorSpec([1, 2, 2, 2]))
+        except Exception as e:  # noqa: BLE001 - the probe must not break enable_recompute()
+            missing.append(f"{path} (the probe failed: {e})")
+            continue
+        finally:
+            _local.probe = None
+        if path not in reached:
+            missing.append(path)
+    if missing:
+        what = {"keras": "Keras' MaxPooling2D / keras.ops.max_pool (the wrapper of "
+                         "keras.src.backend.tensorflow.nn.max_pool)"}
+        logger.warning(
+            "tf_relupool: enable_recompute(): %s did not reach tf_relupool's trace-time fusion "
+            "when traced inside tf.function(jit_compile=True); stock ReLU + max pool there are "
+            "not fused under XLA (results stay stock's). Keras or TensorFlow may have moved the "
+            "function tf_relupool wraps.", "; ".join(what.get(m, m) for m in missing))
+    else:
+        _probed.add(key)
+
+
+def _attr(v, fmt):
+    """A Keras pool_size/strides as the op's 4-entry attribute in `fmt`."""
+    h, w = _pair(v)
+    return [1, h, w, 1] if fmt == "NHWC" else [1, 1, h, w]
 
 
 def _pair(v):

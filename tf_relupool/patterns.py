@@ -10,6 +10,10 @@ gradient is fused too.
     from tf_relupool import patterns
     patterns.role_ops("pad")                    # frozenset({"Pad", "PadV2"})
     [p.name for p in patterns.for_fuser("trace")]
+
+The trace-time fuser's patterns are also held here in Python (TRACE_PATTERNS, TRACE_ROLES), so
+that the switch under XLA works where the op library cannot load: tests/test_patterns.py checks
+that they equal the library's.
 """
 import collections
 import functools
@@ -55,6 +59,34 @@ def parse_table(text):
         if unknown or not p.fusers <= set(FUSERS):
             raise ValueError(f"pattern {p.name}: unknown roles {unknown} or fusers {p.fusers}")
     return roles, tuple(found)
+
+
+#: The trace-time fuser's part of the table, in Python: the XLA route (keras_fusion) matches these
+#: without the op library, which it never needs (its fused op is stock TensorFlow).
+#: tests/test_patterns.py checks that they are the library's trace patterns and role ops.
+TRACE_ROLES = {
+    "pool": Role("pool", frozenset({"MaxPool", "MaxPoolV2"}),
+                 "2-D, window as attrs or constant inputs"),
+    "pad": Role("pad", frozenset({"Pad", "PadV2"}),
+                "constant paddings, a pad value c with relu(c) == c"),
+    "relu": Role("relu", frozenset({"Relu"}), ""),
+}
+TRACE_PATTERNS = (
+    Pattern("relu_max_pool", ("pool", "relu"), frozenset(FUSERS), True, ""),
+    Pattern("relu_pad_max_pool", ("pool", "pad", "relu"), frozenset(FUSERS), True,
+            "ZeroPadding2D between: relu(pad(z)) == pad(relu(z)); the gradient through the Pad's "
+            "Slice"),
+)
+
+
+def trace_patterns():
+    """The trace-time fuser's patterns (TRACE_PATTERNS), without the op library."""
+    return TRACE_PATTERNS
+
+
+def trace_role_ops(role):
+    """The op types that play `role` for the trace-time fuser (KeyError for another role)."""
+    return TRACE_ROLES[role].ops
 
 
 @functools.lru_cache(maxsize=None)

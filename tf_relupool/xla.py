@@ -25,21 +25,31 @@ input element in output order from +0. That is stock under XLA bit for bit for V
 (and in the H200 trainings of docs/xla.md); XLA's CPU backend orders SAME-padded windows
 otherwise, which matters only for tied positive maxima and NaN.
 
-Windows of more than `MAX_WINDOW_POSITIONS` positions, and inputs whose spatial dimensions are
-unknown at trace time, run the stock ops inside XLA (exact), with one INFO log line.
+Windows of more than `MAX_WINDOW_POSITIONS` positions (clipped to the input), and inputs whose
+spatial dimensions are unknown at trace time, run the stock ops inside XLA (exact), with one
+WARNING per reason and Keras model (or traced function) on the `tf_relupool` logger.
 """
 import logging
+import threading
+import weakref
 
 import numpy as np
 import tensorflow as tf
+from tensorflow.python.ops import nn_ops
+
+from tf_relupool import gradient_sources
 
 logger = logging.getLogger("tf_relupool")
 
-#: Largest window (rows x cols) the XLA form unrolls; larger ones run stock ops inside XLA.
-MAX_WINDOW_POSITIONS = 64
+#: Largest window the XLA form unrolls, in positions of the window clipped to the input
+#: (`window_positions`: a 9x9 SAME window over a 4x4 input scans 7x7); larger ones run stock's
+#: ops inside XLA. 254 is what one-byte codes hold beside NO_GRADIENT and _NEVER; on a 2-core
+#: Xeon a 15x15 stride-1 SAME window (225 positions) over 8x32x32x8 traces in 1.6 s and compiles
+#: in 2.7 s with its gradient (stock: 0.2 s), docs/xla.md.
+MAX_WINDOW_POSITIONS = 254
 #: The code of a pooled element that routes no gradient (its selected ReLU'd value is not > 0).
 NO_GRADIENT = 255
-_NEVER = 254  # a code no window produces (positions < MAX_WINDOW_POSITIONS)
+_NEVER = 254  # a code no window produces (codes < MAX_WINDOW_POSITIONS)
 
 
 def in_xla_context():
@@ -94,19 +104,83 @@ def pool_geometry(input_hw, ksize, strides, padding, explicit_paddings, data_for
     return dims
 
 
-def unsupported_reason(input_shape, ksize, data_format):
-    """Why the XLA form cannot run these arguments (None where it can)."""
-    kh, kw = _spatial(ksize, data_format)
-    if kh * kw > MAX_WINDOW_POSITIONS:
-        return (f"a window of {kh}x{kw} positions (the XLA form unrolls at most "
-                f"{MAX_WINDOW_POSITIONS})")
+def window_range(dim):
+    """(first, last): the window offsets along one dimension (of `pool_geometry`) that can hold
+    an input element in some window; the others hold padding in every window."""
+    size, k, s, before, _, out = dim
+    return max(0, before - (out - 1) * s), min(k - 1, size - 1 + before)
+
+
+def window_positions(dims):
+    """The positions of a window clipped to the input: those the XLA form scans and codes."""
+    (first_h, last_h), (first_w, last_w) = (window_range(d) for d in dims)
+    return (last_h - first_h + 1) * (last_w - first_w + 1)
+
+
+#: Why the XLA form falls back to the stock ops: the keys of unsupported_reason's first field.
+UNKNOWN_SIZE, LARGE_WINDOW = "unknown_size", "large_window"
+
+
+def unsupported_reason(input_shape, ksize, strides, padding, explicit_paddings, data_format):
+    """(kind, text): why the XLA form cannot run these arguments (kind UNKNOWN_SIZE or
+    LARGE_WINDOW), or None where it can."""
     shape = tf.TensorShape(input_shape)
-    if shape.rank != 4:
-        return f"an input of unknown rank or rank other than 4 ({shape})"
     rows, cols = _spatial_axes(data_format)
-    if shape[rows] is None or shape[cols] is None:
-        return f"spatial dimensions unknown at trace time ({shape})"
+    if shape.rank != 4 or shape[rows] is None or shape[cols] is None:
+        return UNKNOWN_SIZE, f"an input whose height and width are unknown at trace time ({shape})"
+    dims = pool_geometry((shape[rows], shape[cols]), ksize, strides, padding, explicit_paddings,
+                         data_format)
+    positions = window_positions(dims)
+    if positions > MAX_WINDOW_POSITIONS:
+        kh, kw = _spatial(ksize, data_format)
+        return LARGE_WINDOW, (f"a {kh}x{kw} window with {positions} positions over the input "
+                              f"(the XLA form unrolls at most {MAX_WINDOW_POSITIONS})")
     return None
+
+
+_ADVICE = {
+    UNKNOWN_SIZE: "trace it with a fixed height and width to fuse it (data of one size: "
+                  "a dataset whose element_spec has them, a tf.function input_signature "
+                  "with them, keras.Input((32, 32, 3)))",
+    LARGE_WINDOW: "larger windows are not unrolled",
+}
+_warned = {kind: weakref.WeakSet() for kind in _ADVICE}
+_warned_lock = threading.Lock()
+
+
+def _owner():
+    """(words, object): the Keras model being called (its outermost layer), else the outermost
+    traced function's graph."""
+    layer = None
+    try:
+        from keras.src.backend.common import global_state
+        layer = getattr(global_state.get_global_attribute("current_call_ctx"), "entry_layer", None)
+    except Exception:  # noqa: BLE001 - no Keras 3, or it moved: the function instead
+        pass
+    if layer is not None:
+        return f"model {getattr(layer, 'name', '?')!r}", layer
+    from tensorflow.python.framework import func_graph, ops as tf_ops
+    graph = tf_ops.get_default_graph()
+    while isinstance(getattr(graph, "outer_graph", None), func_graph.FuncGraph):
+        graph = graph.outer_graph
+    return f"function {graph.name!r}", graph
+
+
+def warn_fallback(kind, text):
+    """Logs that a ReLU + max pool runs stock's ops inside XLA (no memory saving): one WARNING
+    per reason and Keras model (outside a Keras model: per reason and outermost traced function),
+    an INFO line for the others."""
+    where, owner = _owner()
+    with _warned_lock:
+        try:
+            first = owner not in _warned[kind]
+            if first:
+                _warned[kind].add(owner)
+        except TypeError:  # not weak-referenceable: warn every time
+            first = True
+    (logger.warning if first else logger.info)(
+        "tf_relupool: ReLU + max pool in %s runs stock's ops inside XLA (no memory saving) for "
+        "%s; %s", where, text, _ADVICE[kind])
 
 
 def _strided(x, axes, starts, stops, steps):
@@ -132,12 +206,16 @@ def _forward(z, pool_args, dims, data_format):
         paddings = [[0, 0]] * 4
         paddings[axes[0]], paddings[axes[1]] = [th, bh], [tw, bw]
         r = tf.pad(r, paddings, constant_values=neg_inf)  # never selected (masked below)
+    # Only the offsets that can hold an input element (window_range); the others are padding in
+    # every window, never selected. Codes number the scanned positions in row-major order.
+    (first_h, last_h), (first_w, last_w) = (window_range(d) for d in dims)
+    nw = last_w - first_w + 1
     sel = code = None
-    for i in range(kh):
-        for j in range(kw):
+    for i in range(first_h, last_h + 1):
+        for j in range(first_w, last_w + 1):
             cur = _strided(r, axes, (i, j), (i + (oh - 1) * sh + 1, j + (ow - 1) * sw + 1),
                            (sh, sw))
-            t = tf.constant(i * kw + j, tf.uint8)
+            t = tf.constant((i - first_h) * nw + j - first_w, tf.uint8)
             if sel is None:
                 # The first position: selected unless it is padding (-inf; ReLU'd values are not).
                 sel, code = cur, tf.zeros_like(cur, dtype=tf.uint8)
@@ -174,6 +252,8 @@ def _backward(dy, code, dims, data_format):
     six dimensions, in another order of additions."""
     (h, kh, sh, th, _, oh), (w, kw, sw, tw, _, ow) = dims
     rows, cols = _spatial_axes(data_format)
+    (first_h, last_h), (first_w, last_w) = (window_range(d) for d in dims)
+    nw = last_w - first_w + 1
     zero = tf.zeros([], dy.dtype)
     const_shape = (1, h, w, 1) if data_format == "NHWC" else (1, 1, h, w)
     dz = None
@@ -185,10 +265,14 @@ def _backward(dy, code, dims, data_format):
         r_win, r_off, r_ok = _block_index(h, th, kh, sh, oh, qh)
         for qw in reversed(range(-(-kw // sw))):
             c_win, c_off, c_ok = _block_index(w, tw, kw, sw, ow, qw)
+            # (offsets of in-bounds elements lie in window_range by its definition)
+            r_ok &= (r_off >= first_h) & (r_off <= last_h)
+            c_ok &= (c_off >= first_w) & (c_off <= last_w)
             ok = r_ok[:, None] & c_ok[None, :]
             if not ok.any():
                 continue
-            targets = np.where(ok, r_off[:, None] * kw + c_off[None, :], _NEVER).astype(np.uint8)
+            targets = np.where(ok, (r_off[:, None] - first_h) * nw + c_off[None, :] - first_w,
+                               _NEVER).astype(np.uint8)
             dy_up = tf.gather(tf.gather(dy, r_win, axis=rows), c_win, axis=cols)
             code_up = tf.gather(tf.gather(code, r_win, axis=rows), c_win, axis=cols)
             term = tf.where(tf.equal(code_up, tf.constant(targets.reshape(const_shape))),
@@ -208,31 +292,72 @@ def _positive_zeros(x):
     return tf.where(tf.equal(x, zero), zero, x), lambda g: g
 
 
-def relu_max_pool2d(z, ksize, strides, padding, explicit_paddings, data_format):
+def relu_max_pool2d(z, ksize, strides, padding, explicit_paddings, data_format, traced=None):
     """max_pool2d(relu(z)) for XLA, its gradient from one-byte codes (module docstring).
 
     Arguments in the op's normalized form (4-entry `ksize`/`strides` in `data_format`, padding
-    "VALID"/"SAME"/"EXPLICIT" with 8 `explicit_paddings`). Where the XLA form does not apply
+    "VALID"/"SAME"/"EXPLICIT" with 8 `explicit_paddings`). `traced`: the `TracedPool` this
+    replaces, when the switch's trace-time fusion calls it. Where the XLA form does not apply
     (`unsupported_reason`), returns the stock ops' result, which XLA compiles as it does stock's.
     """
-    reason = unsupported_reason(z.shape, ksize, data_format)
+    reason = unsupported_reason(z.shape, ksize, strides, padding, explicit_paddings, data_format)
     if reason is not None:
-        logger.info("tf_relupool: stock ReLU + max pool inside XLA for %s", reason)
+        warn_fallback(*reason)
+        if traced is not None:
+            return traced.stock_pool(traced.pool_input)
         return stock_relu_max_pool2d(z, ksize, strides, padding, explicit_paddings, data_format)
     rows, cols = _spatial_axes(data_format)
     dims = pool_geometry((z.shape[rows], z.shape[cols]), ksize, strides, padding,
                          explicit_paddings, data_format)
 
+    pool_args = (ksize, strides, padding, explicit_paddings, data_format)
+    if traced is None:
+        @tf.custom_gradient
+        def fused(z):
+            y, code = _forward(z, pool_args, dims, data_format)
+
+            def grad(dy):
+                return _backward(dy, code, dims, data_format)
+            return y, grad
+
+        return fused(z)
+
+    # In place of a traced stock pool (keras_fusion): the pool's input is a second, formal input
+    # (XLA drops it where nothing reads it), so that the gradient can go the stock way through it
+    # when one of the tensors the fusion skips is a source of the gradient (gradient_sources).
     @tf.custom_gradient
-    def fused(z):
-        y, code = _forward(z, (ksize, strides, padding, explicit_paddings, data_format), dims,
-                           data_format)
+    def fused_in_place(z, pool_input):
+        y, code = _forward(z, pool_args, dims, data_format)
 
         def grad(dy):
-            return _backward(dy, code, dims, data_format)
+            if gradient_sources.route(traced.skipped) == gradient_sources.FUSED:
+                return _backward(dy, code, dims, data_format), None
+            return None, traced.stock_gradient(pool_input, dy)
         return y, grad
 
-    return fused(z)
+    return fused_in_place(z, traced.pool_input)
+
+
+class TracedPool:
+    """A stock max pool that the trace-time fusion replaces (keras_fusion.py).
+
+    pool_input: the pool's input as traced (relu(z), or a zero Pad of it); skipped: the tensors
+    between z and the pool (the Relu's output, the Pad's) whose gradient the fused backward
+    skips; stock_pool: a function computing the stock pool of a tensor as the caller would have
+    (Keras' transposes for channels_first included), whose own gradient is stock's."""
+
+    def __init__(self, pool_input, skipped, stock_pool):
+        self.pool_input = pool_input
+        self.skipped = tuple(skipped)
+        self.stock_pool = stock_pool
+
+    def stock_gradient(self, pool_input, dy):
+        """Stock's gradient of the pool into its input: its registered gradient (MaxPoolGrad, the
+        same SelectAndScatter under XLA), through the stock pool recomputed on `pool_input`."""
+        with tf.GradientTape() as tape:
+            tape.watch(pool_input)
+            y = self.stock_pool(pool_input)
+        return tape.gradient(y, pool_input, output_gradients=dy)
 
 
 def _stock_max_pool2d(r, ksize, strides, padding, explicit_paddings, data_format):
@@ -242,7 +367,8 @@ def _stock_max_pool2d(r, ksize, strides, padding, explicit_paddings, data_format
         pairs = [list(explicit_paddings[2 * d:2 * d + 2]) for d in range(4)]
         r = tf.pad(r, pairs, constant_values=tf.constant(-np.inf, r.dtype))
         padding = "VALID"
-    return tf.nn.max_pool2d(r, ksize, strides, padding, data_format=data_format)
+    # TensorFlow's own function, not the `tf.nn` attribute the switch wraps (keras_fusion)
+    return nn_ops.max_pool2d(r, ksize, strides, padding, data_format=data_format)
 
 
 def stock_relu_max_pool2d(z, ksize, strides, padding, explicit_paddings, data_format):
