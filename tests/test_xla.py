@@ -190,7 +190,7 @@ def test_stock_xla_cpu_same_padding_ties():
     assert_bitwise_equal(fused, eager)
     np.testing.assert_array_equal(eager.numpy()[0, :2, :2, 0], [[0, 1], [0, 0]])
     if tf.config.list_physical_devices("GPU"):
-        return  # (what XLA's GPU backend does is checked by gpu_check/xla_bitwise.py)
+        return  # (what XLA's GPU backend does is checked by benchmarks/xla_bitwise.py)
     routed = stock_xla.numpy()[0, :2, :2, 0].tolist()
     if tf.__version__.startswith("2.21."):  # measured with TF 2.21 (docs/xla.md)
         assert routed == [[0, 0], [1, 0]], routed
