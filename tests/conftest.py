@@ -7,6 +7,9 @@ import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
+import importlib.util
+import sys
+
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -252,3 +255,18 @@ GPU_VISIBLE = bool(tf.config.list_physical_devices("GPU"))
 def lib():
     import tf_relupool
     return tf_relupool.load_library()
+
+
+BENCHMARKS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                          "benchmarks")
+
+
+def benchmarks_module(name):
+    """A benchmarks/ script as a module (none imports TensorFlow at module level); benchmarks/
+    goes on sys.path, where the scripts find harness.py."""
+    if BENCHMARKS not in sys.path:
+        sys.path.insert(0, BENCHMARKS)
+    spec = importlib.util.spec_from_file_location(name, os.path.join(BENCHMARKS, name + ".py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

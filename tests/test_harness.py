@@ -2,29 +2,22 @@
 the worker protocol and the device probe; and benchmarks/distributed_memory.py's arguments and
 table, which build on them."""
 import glob
-import importlib.util
 import os
 import re
 import sys
 
 import pytest
 
+from conftest import benchmarks_module
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCHMARKS = os.path.join(ROOT, "benchmarks")
 MIB = 2 ** 20
 
 
-def _module(name):
-    """A benchmarks/ module (none imports TensorFlow at module level)."""
-    if BENCHMARKS not in sys.path:
-        sys.path.insert(0, BENCHMARKS)
-    spec = importlib.util.spec_from_file_location(name, os.path.join(BENCHMARKS, name + ".py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
-harness = _module("harness")
+harness = benchmarks_module("harness")
 
 
 def test_largest_batch_search_finds_known_boundaries():
@@ -133,7 +126,7 @@ def test_library_built_names_the_op_library():
 
 
 def test_distributed_memory_arguments_are_checked():
-    dm = _module("distributed_memory")
+    dm = benchmarks_module("distributed_memory")
     args = dm.parse_args([])
     assert args.models == list(dm.MODELS) and args.search_models == ["vgg16"]
     assert dm.parse_args(["--device", "cpu"]).search_models == []
@@ -147,7 +140,7 @@ def test_distributed_memory_arguments_are_checked():
 
 
 def test_distributed_memory_table_flags_losses_that_differ():
-    dm = _module("distributed_memory")
+    dm = benchmarks_module("distributed_memory")
 
     def variant(losses, peak):
         return {"losses": losses, "peak_step_bytes": {"GPU:0": peak, "GPU:1": peak // 2},

@@ -1,28 +1,20 @@
 """benchmarks/largest_batch.py (the largest batch at Keras' default compile) and
 benchmarks/xla_buffers.py (what an XLA executable allocates): the k-ary search, the variants and
 levers, out-of-memory sizes, the report, and the dump reader on a real XLA dump."""
-import importlib.util
 import os
 import subprocess
 import sys
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-BENCHMARKS = os.path.join(ROOT, "benchmarks")
+from conftest import benchmarks_module
 
 
-def _module(name):
-    if BENCHMARKS not in sys.path:
-        sys.path.insert(0, BENCHMARKS)
-    spec = importlib.util.spec_from_file_location(name, os.path.join(BENCHMARKS, name + ".py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
-lb = _module("largest_batch")
-xb = _module("xla_buffers")
+
+lb = benchmarks_module("largest_batch")
+xb = benchmarks_module("xla_buffers")
 
 
 @pytest.mark.parametrize("boundary", [0, 7, 8, 24, 31, 40, 95, 96, 200])
