@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 import tf_relupool
 from tf_relupool import ReluMaxPool2D
+from conftest import forward_and_input_grad, xla_hlo
 
 L = keras.layers
 
@@ -151,13 +152,25 @@ def test_keras_file_save_and_load_identical_predictions(tmp_path, keep):
     np.testing.assert_array_equal(loaded.predict(x, verbose=0), model.predict(x, verbose=0))
 
 
-def test_supports_jit_is_true_for_every_mode():
-    """The layer has an XLA form (tf_relupool/xla.py): Keras keeps XLA on with it."""
-    assert ReluMaxPool2D().supports_jit
-    assert ReluMaxPool2D(keep="argmax").supports_jit
-    with tf_relupool.recompute():
-        assert ReluMaxPool2D().supports_jit
-        assert keras.src.trainers.trainer.model_supports_jit(small_model(None))
+@pytest.mark.parametrize("switch", [None, "argmax", "input"])
+def test_xla_compiles_the_layer_in_every_mode(switch):
+    """The layer has an XLA form (tf_relupool/xla.py), so its `supports_jit` (Keras keeps XLA on
+    with it) holds: XLA compiles the layer, forward and gradient, and a model's training step
+    with it, for every keep and switch state (the op library's ops would not compile)."""
+    z = tf.random.stateless_normal([2, 9, 9, 4], seed=[1, 2])
+    with tf_relupool.recompute(switch):
+        for keep in (None, "argmax", "input"):
+            layer = ReluMaxPool2D(3, 2, "same", keep=keep)
+            assert layer.supports_jit
+            assert "reduce-window" in xla_hlo(forward_and_input_grad(layer), z), keep
+        model = small_model(None)
+        x = tf.ones((4, 12, 12, 3))
+
+        def train_step(x):
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_sum(model(x, training=True))
+            return tape.gradient(loss, model.trainable_variables)
+        xla_hlo(train_step, x)
 
 
 @pytest.mark.parametrize("keep", ["argmax", "input"])

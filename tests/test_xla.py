@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 
 import tf_relupool
 from tf_relupool import keras_fusion, xla
-from conftest import DTYPES, assert_bitwise_equal
+from conftest import DTYPES, assert_bitwise_equal, forward_and_input_grad, xla_hlo
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 EXAMPLES = os.path.join(os.path.dirname(HERE), "examples")
@@ -420,8 +420,10 @@ def test_switch_outside_xla_leaves_tracing_to_grappler():
 
 
 def test_layer_supports_jit_and_stays_compiled_with_xla():
-    for keep in (None, "argmax", "input"):
+    z = tf.random.stateless_normal([2, 12, 12, 3], seed=[9, 9])
+    for keep in (None, "argmax", "input"):   # supports_jit holds: XLA compiles it
         assert tf_relupool.ReluMaxPool2D(keep=keep).supports_jit
+        xla_hlo(forward_and_input_grad(tf_relupool.ReluMaxPool2D(keep=keep)), z)
     with tf_relupool.recompute():
         model = keras.Sequential([keras.Input((12, 12, 3)), keras.layers.Conv2D(4, 3),
                                   tf_relupool.ReluMaxPool2D(), keras.layers.Flatten(),
