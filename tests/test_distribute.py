@@ -58,9 +58,10 @@ def _check_variants(variants, keep, local_replicas=1):
     free 25-32 MiB chunk counts all of it; which chunks are free depends on the order earlier
     steps ran in), and the inter-op threads and the collectives' timing decide whether the
     convolution backward's 12-17 MiB scratch buffers overlap the pool backward. With one
-    inter-op thread the ranges still overlap (stock 74-92, argmax 50-81). That is how
-    test_multi_worker_two_processes_bitwise_and_fused[argmax] failed at random (issue 29).
-    The measured saving is in docs/memory.md and docs/distribute.md."""
+    inter-op thread the ranges still overlap (stock 74-92, argmax 50-81). Comparing the
+    medians is how this test (then ..._bitwise_fused_and_leaner[argmax]) failed at random
+    (issue 29; docs/distribute.md has the figures). The saving measured where it repeats, one
+    process with one inter-op thread, is docs/memory.md's."""
     fwd = {"argmax": "ReluMaxPoolWithWindowArgmax", "input": "ReluMaxPool"}[keep]
     bwd = {"argmax": "ReluMaxPoolGradFromWindowArgmax", "input": "ReluMaxPoolGrad"}[keep]
     off = variants["off"]
