@@ -60,8 +60,8 @@ def _check_variants(variants, keep, local_replicas=1):
     convolution backward's 12-17 MiB scratch buffers overlap the pool backward. With one
     inter-op thread the ranges still overlap (stock 74-92, argmax 50-81). Comparing the
     medians is how this test (then ..._bitwise_fused_and_leaner[argmax]) failed at random
-    (issue 29; docs/distribute.md has the figures). The saving measured where it repeats, one
-    process with one inter-op thread, is docs/memory.md's."""
+    (issue 29; docs/distribute.md has the figures). The saving measured in one process, with
+    its spread, is docs/memory.md's."""
     fwd = {"argmax": "ReluMaxPoolWithWindowArgmax", "input": "ReluMaxPool"}[keep]
     bwd = {"argmax": "ReluMaxPoolGradFromWindowArgmax", "input": "ReluMaxPoolGrad"}[keep]
     off = variants["off"]
