@@ -199,7 +199,7 @@ SAN_ENV = LD_PRELOAD="$$($(CXX_TEST) -print-file-name=libasan.so) $$($(CXX_TEST)
 	UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
 	PYTHONPATH=$(abspath $(SAN_BUILD)/lib) TF_RELUPOOL_FUZZ_CALLS=$(SAN_FUZZ_CALLS)
 
-.PHONY: fuzz sanitize sanitize-cc sanitize-lib sanitize-py tsan
+.PHONY: fuzz sanitize sanitize-cc sanitize-lib sanitize-py tsan cc-test
 
 fuzz: install
 	$(PY) tests/fuzz_ops.py --calls $(FUZZ_CALLS) --seed $(FUZZ_SEED) --jobs $(FUZZ_JOBS)
@@ -211,6 +211,16 @@ $(SAN_BUILD)/kernels_test_asan: $(CC_TEST_SRCS) $(wildcard cc/kernels/*.h)
 $(SAN_BUILD)/kernels_test_tsan: $(CC_TEST_SRCS) $(wildcard cc/kernels/*.h)
 	@mkdir -p $(@D)
 	$(CXX_TEST) -std=c++17 -ffp-contract=off -fsanitize=thread -g -O1 -I. $(CC_TEST_SRCS) -o $@ -pthread
+
+# The same kernel test built as setup.py builds the library (-O3, no sanitizer): the code that
+# ships, on every CPU path the machine has (`make cc-test`; CI runs it and sanitize-cc).
+CC_BUILD := build/cc
+$(CC_BUILD)/kernels_test: $(CC_TEST_SRCS) $(wildcard cc/kernels/*.h)
+	@mkdir -p $(@D)
+	$(CXX_TEST) -std=c++17 -O3 -ffp-contract=off -I. $(CC_TEST_SRCS) -o $@ -pthread
+
+cc-test: $(CC_BUILD)/kernels_test
+	$< --iters $(CC_TEST_ITERS)
 
 sanitize-cc: $(SAN_BUILD)/kernels_test_asan
 	ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \

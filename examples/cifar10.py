@@ -115,6 +115,9 @@ def parse_args(argv=None):
                    help="use only this many test images")
     p.add_argument("--learning-rate", type=float, default=1e-3, help="Adam's (default 1e-3)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--record-ops", action="store_true",
+                   help="record the pooling ops TensorFlow executed in fit (JSON: "
+                        "executed_pool_ops; tf_relupool.grappler.executed_ops)")
     p.add_argument("--deterministic", action="store_true",
                    help="tf.config.experimental.enable_op_determinism() (bitwise-repeatable)")
     p.add_argument("--inter-op-threads", type=int, default=1,
@@ -251,8 +254,15 @@ def train_one(args, mode, tf, dev):
     callbacks = [stats]
     if args.verbose:  # the progress bar first, so that each epoch's line follows its bar
         callbacks.insert(0, keras.callbacks.ProgbarLogger())
-    model.fit(train, epochs=args.epochs, steps_per_epoch=args.steps_per_epoch,
-              callbacks=callbacks, verbose=args.verbose)
+    fit = dict(epochs=args.epochs, steps_per_epoch=args.steps_per_epoch, callbacks=callbacks,
+               verbose=args.verbose)
+    executed = None
+    if args.record_ops:   # the pooling ops the training steps executed (partition graphs)
+        from tf_relupool import grappler
+        _, ops = grappler.executed_ops(model.fit, train, **fit)
+        executed = {k: v for k, v in sorted(ops.items()) if "Pool" in k}
+    else:
+        model.fit(train, **fit)
     # The pairs fused in the training step: the layer's are its layers; the switch's are those
     # it fused while Keras traced the first step (XLA) or TensorFlow optimized it (Grappler).
     fused = stats.first_step_fusions if switched else layers
@@ -264,7 +274,8 @@ def train_one(args, mode, tf, dev):
     tf_relupool.disable_recompute()
     return {"mode": mode, "variant": MODE_LABELS[mode], "model": args.model,
             "fused_pairs": fused, "fused_layers": layers, "epochs": stats.epochs,
-            "test_loss": float(test_loss), "test_accuracy": float(test_acc)}
+            "test_loss": float(test_loss), "test_accuracy": float(test_acc),
+            "executed_pool_ops": executed}
 
 
 def _all_layers(model):

@@ -31,7 +31,8 @@ another in the same processes. Per variant each worker prints its global step lo
 all replicas: the same on every worker), a digest of the final weights, the median peak memory of
 a step on each replica's allocator (above resident; the CPU's needs TF_CPU_ALLOCATOR_USE_BFC=true,
 which this script sets; logical CPUs share one) and the pooling, ReLU and convolution ops
-TensorFlow executed (`tf_relupool.grappler.executed_ops`). `--json FILE` writes the same as JSON
+TensorFlow executed (`tf_relupool.grappler.executed_nodes`), and which forward tensors the pooling
+backward ops read. `--json FILE` writes the same as JSON
 ({task} in FILE becomes the worker's index); --deterministic turns TensorFlow's op determinism on.
 
 A worker that dies or stops: the others fail with TensorFlow's error (UnavailableError from the
@@ -216,12 +217,40 @@ def _reported(op_type):
     return any(k in op_type for k in ("Pool", "Relu", "Conv2D"))
 
 
-def summary(losses, weights, peaks, ops, seconds):
+#: The pooling backward ops, and which of their inputs are forward tensors kept for them.
+POOL_GRADS = {"MaxPoolGrad": (0, 1), "_MklNativeMaxPoolGrad": (0, 1), "ReluMaxPoolGrad": (0,),
+              "ReluMaxPoolGradFromWindowArgmax": (2,)}
+
+
+def kept_for_pool_grads(nodes):
+    """What each executed pooling backward op reads from the forward pass: a sorted list of
+    "backward op <- producer op:output" (the producer's op type and output index, through
+    Identity nodes), one entry per kept input (POOL_GRADS). For the fused argmax gradient that is
+    ReluMaxPoolWithWindowArgmax:1, its one-byte codes; for stock's MaxPoolGrad the ReLU'd tensor
+    and the pooled output; for keep="input" the ReLU's input."""
+    by_name = {n.name: n for n in nodes}
+
+    def producer(ref):
+        name, _, slot = ref.lstrip("^").partition(":")
+        node = by_name.get(name)
+        while node is not None and node.op == "Identity" and node.input:
+            name, _, slot = node.input[0].partition(":")
+            node = by_name.get(name)
+        return f"{node.op if node is not None else '?'}:{slot or 0}"
+    return sorted(f"{n.op} <- {producer(n.input[i])}" for n in nodes if n.op in POOL_GRADS
+                  for i in POOL_GRADS[n.op] if i < len(n.input))
+
+
+def summary(losses, weights, peaks, nodes, seconds):
     """One variant's results. peaks: {device: [bytes per step]} (the first step also traces and
-    optimizes: the median of the later ones); seconds: step times, likewise."""
+    optimizes: the median of the later ones); nodes: the NodeDefs the first step executed;
+    seconds: step times, likewise."""
     import numpy as np
     from tf_relupool import grappler
     stats = grappler.stats()
+    ops = {}
+    for n in nodes:
+        ops[n.op] = ops.get(n.op, 0) + 1
     later = lambda v: v[1:] or v  # noqa: E731
     return {"losses": [np.float32(v).tobytes().hex() for v in losses],
             "loss_values": [float(v) for v in losses],
@@ -231,6 +260,7 @@ def summary(losses, weights, peaks, ops, seconds):
             "step_peaks_bytes": peaks,
             "step_seconds": statistics.median(later(seconds)),
             "executed_ops": {k: v for k, v in sorted(ops.items()) if _reported(k)},
+            "kept_for_pool_grads": kept_for_pool_grads(nodes),
             "pass_fusions": stats["fused_with_grad"] + stats["fused_forward_only"]}
 
 
@@ -281,13 +311,13 @@ def train_multi_worker(tf, strategy, args, variant, dev):
 
     meter = devices.StepMemory(tf, dev)
     grappler.reset_stats()
-    losses, peaks, seconds, ops = [], [], [], {}
+    losses, peaks, seconds, nodes = [], [], [], []
     task = strategy.cluster_resolver.task_id
     for step in range(args.steps):
         meter.begin()
         t = time.perf_counter()
         if step == 0:   # the first step: record the ops TensorFlow executed
-            loss, ops = grappler.executed_ops(train_step, iterator)
+            loss, nodes = grappler.executed_nodes(train_step, iterator)
         else:
             loss = train_step(iterator)
         losses.append(float(loss))
@@ -295,7 +325,7 @@ def train_multi_worker(tf, strategy, args, variant, dev):
         peaks.append(meter.end())
         print(f"[worker {task}] {variant} step {step} loss {losses[-1]:.6f}", flush=True)
     set_switch("off", args.keep)
-    return summary(losses, model.get_weights(), {dev.name: peaks}, ops, seconds)
+    return summary(losses, model.get_weights(), {dev.name: peaks}, nodes, seconds)
 
 
 def run_worker(args):
@@ -382,11 +412,11 @@ def train_mirrored(tf, strategy, allocators, args, variant):
 
     cb = keras.callbacks.LambdaCallback(on_train_batch_begin=begin, on_train_batch_end=end)
     grappler.reset_stats()
-    _, ops = grappler.executed_ops(model.fit, ds, epochs=1, steps_per_epoch=args.steps,
+    _, nodes = grappler.executed_nodes(model.fit, ds, epochs=1, steps_per_epoch=args.steps,
                                    verbose=0, callbacks=[cb])
     set_switch("off", args.keep)
     # the losses are what Keras logs after each step: the running mean over the epoch
-    out = summary(losses, model.get_weights(), peaks, ops, seconds)
+    out = summary(losses, model.get_weights(), peaks, nodes, seconds)
     out["jit_compile"] = bool(model.jit_compile)
     return out
 

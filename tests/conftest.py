@@ -270,3 +270,25 @@ def benchmarks_module(name):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def xla_hlo(fn, *args):
+    """The HLO XLA compiles `fn(*args)` to under tf.function(jit_compile=True). Getting it
+    compiles the function: it raises where an op has no XLA kernel (the op library's ops
+    included: "Detected unsupported operations ... ReluMaxPool"). Also asserts that the traced
+    graph holds none of the op library's ops. What `supports_jit` only promises, this checks."""
+    jitted = tf.function(fn, jit_compile=True)
+    hlo = jitted.experimental_get_compiler_ir(*args)(stage="hlo")
+    types = {op.type for op in jitted.get_concrete_function(*args).graph.get_operations()}
+    assert not any(t.startswith("ReluMaxPool") for t in types), types
+    return hlo
+
+
+def forward_and_input_grad(fn):
+    """A function of z: (fn(z), d<fn(z), 1>/dz), for compiling both directions."""
+    def step(z):
+        with tf.GradientTape() as tape:
+            tape.watch(z)
+            y = fn(z)
+        return y, tape.gradient(y, z, output_gradients=tf.ones_like(y))
+    return step

@@ -9,6 +9,7 @@ import tensorflow as tf
 
 import tf_relupool
 from tf_relupool import config
+from conftest import forward_and_input_grad, xla_hlo
 
 
 @pytest.fixture(autouse=True)
@@ -23,9 +24,17 @@ def traced_op_types(layer, shape=(2, 6, 6, 3)):
     return {op.type for op in fn.graph.get_operations()}
 
 
-def test_default_is_off():
-    assert tf_relupool.recompute_mode() is None
-    assert tf_relupool.recompute_enabled() is False
+def test_default_is_off(tmp_path):
+    """In a fresh process with TF_RELUPOOL_RECOMPUTE unset (here the autouse fixture has just
+    switched it off, so the module's state says nothing about the default)."""
+    code = ("import tf_relupool as t; from tf_relupool import keras_fusion as k;"
+            "print('MODE', t.recompute_mode(), t.recompute_enabled(), k.installed())")
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
+    env.pop("TF_RELUPOOL_RECOMPUTE", None)
+    out = subprocess.run([sys.executable, "-c", code], env=env, cwd=tmp_path,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split("MODE")[-1].split() == ["None", "False", "False"], out.stdout
 
 
 def test_enable_default_is_lowest_memory_argmax():
@@ -106,10 +115,11 @@ def test_layer_follows_switch_at_trace_time():
     layer = tf_relupool.ReluMaxPool2D()
     stock = traced_op_types(layer)
     assert {"Relu", "MaxPool"} <= stock and not any("ReluMaxPool" in t for t in stock)
-    assert layer.supports_jit
+    z = tf.random.stateless_normal((2, 6, 6, 3), seed=[3, 4])
+    xla_hlo(forward_and_input_grad(layer), z)   # XLA compiles it (stock ops)
     with tf_relupool.recompute():
         assert "ReluMaxPoolWithWindowArgmax" in traced_op_types(layer)
-        assert layer.supports_jit  # the XLA form (tests/test_xla.py)
+        xla_hlo(forward_and_input_grad(layer), z)   # the XLA form (tests/test_xla.py)
     with tf_relupool.recompute("input"):
         ops = traced_op_types(layer)
         assert "ReluMaxPool" in ops and "MaxPool" not in ops

@@ -169,13 +169,14 @@ def test_synthetic_training(tmp_path, model, batch, modes, pairs):
     # (0.4-0.85x at these sizes, oneDNN on or off). ResNet-style has one pool, in the stem, so it
     # runs at batch 64: at 32, without oneDNN (TF_ENABLE_ONEDNN_OPTS=0, CPUs without AVX-512),
     # stock's Eigen kernels' scratch buffers decide its peak and the fused step's differently
-    # scheduled one came out 1.0-1.23x of stock's (measured); at 64 it is 0.7-0.8x either way.
+    # scheduled one came out 1.0-1.23x of stock's (measured); at 64 it is 0.7-0.8x either way
+    # (2026-12-03, 2-core Xeon: 0.71-0.79x oneDNN on, 0.74-0.80x off, 3 runs each): bound 0.9.
     stock_peak = stock["epochs"][-1]["median_peak_bytes"]
     argmax_peak = argmax["epochs"][-1]["median_peak_bytes"]
     # On a GPU the VGG-style net's peak sits in its first block's convolution backward, where
     # stock and fused keep the same tensors (../shared/NOTES.md): measured 0.915x on the H200 at
     # batch 32, so there only "below stock" is asserted.
-    bound = 1.0 if model == "resnet" or (model == "vgg" and device == "GPU:0") else 0.9
+    bound = 1.0 if model == "vgg" and device == "GPU:0" else 0.9
     assert argmax_peak < bound * stock_peak, (argmax_peak, stock_peak)
     assert "per-step training losses bitwise equal across modes: yes" in p.stdout
 
@@ -451,15 +452,26 @@ def test_real_images_one_epoch_10k_bitwise(tmp_path):
 
 @pytest.mark.slow
 def test_real_images_vgg_bitwise(tmp_path):
-    """The VGG-style model on 2,000 real images, stock vs both fused modes (`make test-slow`)."""
+    """The VGG-style model on 2,000 real images, stock vs the switch in both keep modes
+    (`make test-slow`)."""
     if not os.path.exists(REAL_DATA):
         pytest.skip(f"no CIFAR-10 JPEG archive at {REAL_DATA}")
     out = tmp_path / "result.json"
     p = run(CIFAR, "--model", "vgg", "--recompute", "off,argmax,input", "--data", REAL_DATA,
             "--limit", "2000", "--test-limit", "1000", "--batch-size", "64", "--deterministic",
-            "--verbose", "0", "--json", str(out), timeout=3600)
+            "--record-ops", "--verbose", "0", "--json", str(out), timeout=3600)
     assert p.returncode == 0, p.stderr[-4000:]
     stock, *fused = json.loads(out.read_text())
+    assert stock["fused_layers"] == 0
+    assert any("MaxPoolGrad" in k for k in stock["executed_pool_ops"]), stock["executed_pool_ops"]
+    assert [r["mode"] for r in fused] == ["argmax", "input"]
+    fused_ops = {"argmax": ("ReluMaxPoolWithWindowArgmax", "ReluMaxPoolGradFromWindowArgmax"),
+                 "input": ("ReluMaxPool", "ReluMaxPoolGrad")}
     for r in fused:
+        # enable_recompute() fused the VGG-style model's four conv -> pool pairs (no layer)
+        assert r["fused_pairs"] == 4 and r["fused_layers"] == 0, r["mode"]
+        ops = r["executed_pool_ops"]   # the fused ops ran in the training steps, no stock pool
+        assert all(ops.get(op, 0) >= 4 for op in fused_ops[r["mode"]]), (r["mode"], ops)
+        assert not any("MaxPool" in k and not k.startswith("ReluMaxPool") for k in ops), ops
         assert r["epochs"][0]["step_losses"] == stock["epochs"][0]["step_losses"], r["mode"]
         assert r["test_accuracy"] == stock["test_accuracy"], r["mode"]

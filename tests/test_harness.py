@@ -120,9 +120,14 @@ def test_device_probe_without_a_gpu():
         harness.probe_device("gpu")
 
 
-def test_library_built_names_the_op_library():
+def test_library_built_names_the_op_library(tmp_path, monkeypatch):
+    """The tests run with the op library built: its date; a package without one: None."""
     built = harness.library_built()
-    assert built is None or re.fullmatch(r"\d{4}-\d\d-\d\d \d\d:\d\d", built), built
+    assert built is not None and re.fullmatch(r"\d{4}-\d\d-\d\d \d\d:\d\d", built), built
+    (tmp_path / "__init__.py").write_text("")
+    spec = importlib.util.spec_from_file_location("tf_relupool", tmp_path / "__init__.py")
+    monkeypatch.setattr(harness.importlib.util, "find_spec", lambda name: spec)
+    assert harness.library_built() is None
 
 
 def test_distributed_memory_arguments_are_checked():

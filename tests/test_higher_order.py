@@ -7,7 +7,10 @@ Stock differentiates its backward: MaxPoolGrad -> MaxPoolGradGrad (gathers by va
 window position equal to the pooled output) and ReluGrad -> ReluGrad. The fused backward ops
 gather through the window argmax instead; the two agree on every window without NaN, which is
 compared bitwise with stock here. Windows holding NaN are checked against the written definition
-(docs/semantics.md, "Higher-order gradients"), computed independently in NumPy.
+(docs/semantics.md, "Higher-order gradients"), computed independently in NumPy, and so is the
+third order under explicit padding with NaN (stock's stand-in there differs, see _check_case);
+VALID windows larger than the input, which stock refuses, give an empty second order and a
+third order of +0.
 """
 import numpy as np
 import pytest
@@ -93,20 +96,58 @@ def _definition_grad_grad(z, ddz, ksize, strides, padding, data_format):
     return from_nhwc(tf.constant(out), data_format)
 
 
+def _positive_zero(x):
+    return x + np.zeros((), x.dtype)
+
+
+def _selections(z, ksize, strides, padding, data_format):
+    """Per pooled element (NHWC order): the input position docs/semantics.md's definition
+    routes to and whether it routes (see _definition_grad_grad)."""
+    zz = np.asarray(to_nhwc(tf.cast(z, tf.float64), data_format))
+    n, h, w, c = zz.shape
+    (r0, r1), (c0, c1) = window_grid(h, w, ksize, strides, padding, data_format)
+    for b, i, j, ch in np.ndindex(n, len(r0), len(c0), c):
+        rows, cols = range(r0[i], r1[i]), range(c0[j], c1[j])
+        best, pos = -np.inf, (rows[0], cols[0])
+        for r in rows:
+            for q in cols:
+                v = zz[b, r, q, ch]
+                v = 0.0 if v < 0 else v
+                if best < v:
+                    best, pos = v, (r, q)
+        keep = best > 0 and not np.isnan(zz[b, rows[0], cols[0], ch])
+        yield (b, i, j, ch), (b, *(pos if keep else (rows[0], cols[0])), ch), keep
+
+
+def _definition_third_order(z, g, ksize, strides, padding, data_format):
+    """d<ddy, g>/d ddz of the definition: each pooled element adds g * (1 if it routes, else 0)
+    at its selection, in output order from +0, in g's dtype."""
+    gg = np.asarray(to_nhwc(g, data_format))
+    out = np.zeros(np.asarray(to_nhwc(z, data_format)).shape, gg.dtype)
+    one, zero = np.ones((), gg.dtype), np.zeros((), gg.dtype)
+    for at, pos, keep in _selections(z, ksize, strides, padding, data_format):
+        out[pos] = out[pos] + gg[at] * (one if keep else zero)
+    return from_nhwc(tf.constant(out), data_format)
+
+
 def _check_case(case, keep):
     dtype = case["dtype"]
     z = tf.constant(case["z"], dtype=dtype)
     args = (case["ksize"], case["strides"], case["padding"], case["data_format"])
     rows, cols = (1, 2) if case["data_format"] == "NHWC" else (2, 3)
     k = _spatial(case["ksize"], case["data_format"])
-    if case["padding"] == "VALID" and (k[0] > z.shape[rows] or k[1] > z.shape[cols]):
-        return  # empty result: stock cannot run it (tests/test_ops.py checks ours)
-    if not isinstance(case["padding"], str) and np.isnan(case["z"]).any():
-        # The -Inf-padded stand-in for stock (see _stock_fn) routes a window whose first element
-        # is NaN through the padding, where stock's explicit padding (first order, test_ops.py)
-        # and the fused ops use the first in-bounds element: no stock reference for NaN here.
-        return
     rng = np.random.default_rng(case["rng_seed"] + 7)
+    if case["padding"] == "VALID" and (k[0] > z.shape[rows] or k[1] > z.shape[cols]):
+        # No window fits: stock refuses it; the definition is an empty pooled output, so an
+        # empty second order and a third order of +0 everywhere.
+        y_shape = _fused_fn(*args, keep)(z).shape
+        assert y_shape[rows] == 0 or y_shape[cols] == 0, y_shape
+        dy, g = tf.zeros(y_shape, dtype), tf.zeros(y_shape, dtype)
+        ddz = tf.constant(rng.normal(size=z.shape), dtype)
+        _, _, ddy_f, dddz_f = _derivatives(_fused_fn(*args, keep), z, dy, ddz, g)
+        assert ddy_f.dtype == dtype and ddy_f.shape == y_shape, (ddy_f.shape, y_shape)
+        assert_bitwise_equal(dddz_f, tf.zeros_like(z), "third order, no window")
+        return
     y_shape = _stock_fn(*args)(z).shape
     dy = tf.constant(rng.normal(size=y_shape), dtype)
     ddz = tf.constant(rng.integers(-3, 4, size=z.shape) + rng.normal(size=z.shape) * 0.5, dtype)
@@ -119,6 +160,13 @@ def _check_case(case, keep):
     expected = np.where(nan_window, tf.cast(_definition_grad_grad(z, ddz, *args), dtype).numpy(),
                         ddy_s.numpy())
     assert_bitwise_equal(ddy_f, expected, "second order (stock; NaN windows: the definition)")
+    if not isinstance(case["padding"], str) and np.isnan(case["z"]).any():
+        # The -Inf-padded stand-in for stock (see _stock_fn) routes a window whose first element
+        # is NaN through the padding, where stock's explicit padding (first order, test_ops.py)
+        # and the fused ops use the first in-bounds element: the definition instead of stock,
+        # zeros' sign not compared (where g * 0 lands alone, the fused ops keep its sign).
+        dddz_s = tf.constant(_positive_zero(_definition_third_order(z, g, *args).numpy()))
+        dddz_f = tf.constant(_positive_zero(dddz_f.numpy()))
     assert_bitwise_equal(dddz_f, dddz_s, "third order")
 
 

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 import tf_relupool
 from tf_relupool import ReluMaxPool2D
+from conftest import forward_and_input_grad, xla_hlo
 
 L = keras.layers
 
@@ -151,13 +152,25 @@ def test_keras_file_save_and_load_identical_predictions(tmp_path, keep):
     np.testing.assert_array_equal(loaded.predict(x, verbose=0), model.predict(x, verbose=0))
 
 
-def test_supports_jit_is_true_for_every_mode():
-    """The layer has an XLA form (tf_relupool/xla.py): Keras keeps XLA on with it."""
-    assert ReluMaxPool2D().supports_jit
-    assert ReluMaxPool2D(keep="argmax").supports_jit
-    with tf_relupool.recompute():
-        assert ReluMaxPool2D().supports_jit
-        assert keras.src.trainers.trainer.model_supports_jit(small_model(None))
+@pytest.mark.parametrize("switch", [None, "argmax", "input"])
+def test_xla_compiles_the_layer_in_every_mode(switch):
+    """The layer has an XLA form (tf_relupool/xla.py), so its `supports_jit` (Keras keeps XLA on
+    with it) holds: XLA compiles the layer, forward and gradient, and a model's training step
+    with it, for every keep and switch state (the op library's ops would not compile)."""
+    z = tf.random.stateless_normal([2, 9, 9, 4], seed=[1, 2])
+    with tf_relupool.recompute(switch):
+        for keep in (None, "argmax", "input"):
+            layer = ReluMaxPool2D(3, 2, "same", keep=keep)
+            assert layer.supports_jit
+            assert "reduce-window" in xla_hlo(forward_and_input_grad(layer), z), keep
+        model = small_model(None)
+        x = tf.ones((4, 12, 12, 3))
+
+        def train_step(x):
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_sum(model(x, training=True))
+            return tape.gradient(loss, model.trainable_variables)
+        xla_hlo(train_step, x)
 
 
 @pytest.mark.parametrize("keep", ["argmax", "input"])
@@ -172,17 +185,28 @@ def test_tf_function_jit_compile_runs_the_xla_form_and_matches(keep):
 
 
 @pytest.mark.parametrize("switch", [None, "argmax"])
-def test_fit_with_jit_compile_true_keeps_xla_and_trains(switch):
+def test_fit_with_jit_compile_true_keeps_xla_and_trains_as_stock(switch):
+    """fit under jit_compile=True: the layer's model trains, bit for bit as the same model with
+    stock ReLU + MaxPooling2D layers from the same weights under XLA."""
+    x = np.random.default_rng(1).normal(size=(8, 12, 12, 3)).astype("float32")
+    y = np.random.default_rng(2).normal(size=(8, 3)).astype("float32")
+    keras.utils.set_random_seed(7)
+    stock_model = keras.Sequential([keras.Input((12, 12, 3)), L.Conv2D(4, 3), L.ReLU(),
+                                    L.MaxPooling2D(), L.Flatten(), L.Dense(3)])
     with tf_relupool.recompute(switch):
         model = small_model(None)
-        model.compile(optimizer="sgd", loss="mse", jit_compile=True)
-        assert model.jit_compile
-        x = np.random.default_rng(1).normal(size=(8, 12, 12, 3)).astype("float32")
-        y = np.random.default_rng(2).normal(size=(8, 3)).astype("float32")
+        stock_model.set_weights(model.get_weights())
         before = [w.numpy().copy() for w in model.trainable_weights]
-        history = model.fit(x, y, batch_size=4, epochs=1, verbose=0)
-        assert np.isfinite(history.history["loss"][0])
-        assert any(not np.array_equal(b, w.numpy()) for b, w in zip(before, model.trainable_weights))
+        histories = []
+        for m in (model, stock_model):
+            m.compile(optimizer="sgd", loss="mse", jit_compile=True)
+            assert m.jit_compile
+            histories.append(m.fit(x, y, batch_size=4, epochs=1, shuffle=False,
+                                   verbose=0).history["loss"])
+    assert np.isfinite(histories[0][0]) and histories[0] == histories[1], histories
+    assert any(not np.array_equal(b, w.numpy()) for b, w in zip(before, model.trainable_weights))
+    for w, w_stock in zip(model.get_weights(), stock_model.get_weights()):
+        assert w.tobytes() == w_stock.tobytes()
 
 
 def test_fit_jit_auto_without_gpu_runs_the_fused_op():

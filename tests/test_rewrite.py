@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 import tf_relupool
 from tf_relupool import ReluMaxPool2D
 
+from conftest import assert_bitwise_equal
 from grappler_cases import PAD_STEP
 
 L = keras.layers
@@ -169,13 +170,22 @@ def test_already_fused_and_plain_models_unchanged():
     assert_same_outputs(model, new, X[:, :8, :8])
 
 
-def test_compiled_model_copy_is_compiled_and_trains():
+def test_compiled_model_copy_is_compiled_and_trains_as_stock():
+    """The copy keeps the compile and, from the same weights, trains bit for bit as the stock
+    model (losses and weights)."""
     model = keras.Sequential([keras.Input((8, 8, 3)), L.Conv2D(2, 3, activation="relu"),
                               L.MaxPooling2D(), L.Flatten(), L.Dense(1)])
     model.compile(optimizer="sgd", loss="mse")
     new = tf_relupool.rewrite_model(model, keep="argmax")
     assert new.compiled
-    new.fit(np.ones((4, 8, 8, 3)), np.ones((4, 1)), verbose=0)
+    assert any(isinstance(layer, ReluMaxPool2D) for layer in new.layers)
+    rng = np.random.default_rng(4)
+    x, y = rng.normal(size=(8, 8, 8, 3)).astype("float32"), rng.normal(size=(8, 1))
+    losses = [m.fit(x, y, batch_size=4, shuffle=False, verbose=0).history["loss"]
+              for m in (new, model)]
+    assert losses[0] == losses[1], losses
+    for w, w_stock in zip(new.get_weights(), model.get_weights()):
+        assert w.tobytes() == w_stock.tobytes()
 
 
 def test_rewrite_model_bad_arguments():
@@ -226,7 +236,10 @@ def conv_pool_step(ksize, strides, padding, data_format="NHWC", extra_consumer=F
             loss = tf.reduce_sum(y * y)
             if extra_consumer:
                 loss += tf.reduce_sum(r)
-        return loss, tape.gradient(loss, W)
+        # dz: the pool backward's own output (the fused gradient op's, once rewritten), besides
+        # the loss and dW, a reduction over it that could hide a wrong element or a zero's sign
+        dw, dz = tape.gradient(loss, [W, z])
+        return loss, dw, dz
     return step.get_concrete_function(tf.TensorSpec([2, 9, 9, 3]))
 
 
@@ -259,8 +272,8 @@ def _rewrite_function_with_gradient_is_bitwise_equal(ksize, strides, padding, da
     # The fused graph has no stock NCHW op left; the stock reference pools in NHWC.
     reference = conv_pool_step(ksize, strides, padding, data_format, pool_in_nhwc=True)
     x = tf.random.stateless_normal([2, 9, 9, 3], seed=[ksize, strides])
-    for got, want in zip(fused(x), reference(x)):
-        np.testing.assert_array_equal(got.numpy(), want.numpy())
+    for what, got, want in zip(("loss", "dW", "dz"), fused(x), reference(x)):
+        assert_bitwise_equal(got, want, what)
 
 
 def test_keep_input_gradient_stride1_same_in_graph():
@@ -268,8 +281,9 @@ def test_keep_input_gradient_stride1_same_in_graph():
     SAME), and with overlapping windows read dy values it had already overwritten."""
     cf = conv_pool_step(2, 1, "SAME")
     x = tf.random.stateless_normal([2, 9, 9, 3], seed=[2, 1])
-    for got, want in zip(tf_relupool.rewrite_function(cf, keep="input")(x), cf(x)):
-        np.testing.assert_array_equal(got.numpy(), want.numpy())
+    for what, got, want in zip(("loss", "dW", "dz"),
+                               tf_relupool.rewrite_function(cf, keep="input")(x), cf(x)):
+        assert_bitwise_equal(got, want, what)
 
 
 def test_rewrite_graph_forward_only_and_input_untouched():
@@ -411,7 +425,7 @@ def test_rewrite_function_pad_and_maxpool_v2_bitwise_equal(ksize, strides, paddi
         assert "Pad" in ops
         x = tf.random.stateless_normal([2, 9, 9, 3], seed=[ksize, strides])
         for got, want in zip(tf.nest.flatten(fused(x)), tf.nest.flatten(cf(x))):
-            np.testing.assert_array_equal(got.numpy(), want.numpy())
+            assert_bitwise_equal(got, want)
 
 
 def test_rewrite_graph_pad_refusals_are_logged(caplog):

@@ -4,8 +4,9 @@ The tests import `tf_relupool`. Here that is a package directory assembled under
 from this checkout's tf_relupool/*.py, the library Bazel built (//:_relu_max_pool_ops.so) and the
 _build_info.py Bazel generated (//:build_info), placed first on PYTHONPATH; the installed package
 and the source tree are never on the path. The test files given as arguments are copied beside
-tests/conftest.py and run with pytest under the Python whose TensorFlow the library was built
-against (Bazel's Python toolchain, @local_config_tf//:py_toolchain).
+the helpers they import (HELPERS: tests/conftest.py, tests/grappler_cases.py) and run with
+pytest under the Python whose TensorFlow the library was built against (Bazel's Python
+toolchain, @local_config_tf//:py_toolchain).
 """
 import glob
 import os
@@ -15,6 +16,8 @@ import sys
 import tempfile
 
 LIBRARY = "_relu_max_pool_ops.so"
+#: Modules the test files import from tests/ (BUILD's op_tests lists them in `data` too).
+HELPERS = ["tests/conftest.py", "tests/grappler_cases.py"]
 
 
 def main(test_files):
@@ -31,11 +34,11 @@ def main(test_files):
     shutil.copy(os.path.join(runfiles, "_bazel", "_build_info.py"), pkg)
 
     copied = []
-    for rel in ["tests/conftest.py"] + list(test_files):
+    for rel in HELPERS + list(test_files):
         dst = os.path.join(work, rel)
         os.makedirs(os.path.dirname(dst), exist_ok=True)
         shutil.copy(os.path.join(runfiles, rel), dst)
-        if rel != "tests/conftest.py":
+        if rel not in HELPERS:
             copied.append(rel)
 
     env = dict(os.environ)
