@@ -2,6 +2,7 @@
 the worker protocol and the device probe; and benchmarks/distributed_memory.py's arguments and
 table, which build on them."""
 import glob
+import importlib.util
 import os
 import re
 import sys

@@ -36,8 +36,7 @@ def small_model(tmp_path_factory):
 
 def _env():
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", CUDA_VISIBLE_DEVICES="")
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [ROOT, env.get("PYTHONPATH")]))
-    return env
+    return env  # the installed tf_relupool (the source tree has no op library), as users run it
 
 
 def _rows(table):
@@ -57,7 +56,7 @@ def test_table_json_and_plot_for_a_small_model(small_model, tmp_path):
         [sys.executable, "-m", "tf_relupool.measure", small_model, "--batch-size", "16",
          "--steps", "3", "--memory-limit", str(limit), "--largest-batch", "--granularity",
          str(g), "--max-batch", "64", "--json", str(out_json), "--plot", str(out_png)],
-        capture_output=True, text=True, env=_env(), timeout=600, cwd=ROOT)
+        capture_output=True, text=True, env=_env(), timeout=600, cwd=str(tmp_path))
     assert proc.returncode == 0, proc.stderr[-3000:]
     progress = [l for l in proc.stderr.splitlines() if l.startswith("measure [")]
     report = json.loads(out_json.read_text())
@@ -189,7 +188,7 @@ def test_xla_counts_the_pairs_fused_where_keras_traces(small_model, tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "tf_relupool.measure", small_model, "--batch-size", "8",
          "--steps", "2", "--jit-compile", "true", "--quiet", "--json", str(out_json)],
-        capture_output=True, text=True, env=_env(), timeout=600, cwd=ROOT)
+        capture_output=True, text=True, env=_env(), timeout=600, cwd=str(tmp_path))
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(out_json.read_text())
     stock, switch = report["variants"]["stock"], report["variants"]["switch"]

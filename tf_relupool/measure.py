@@ -196,7 +196,12 @@ class Run:
         env = h.trial_env() if limit else dict(os.environ)
         env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
         env.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "true")  # statistics on the CPU
-        cmd = [sys.executable, "-m", "tf_relupool.measure", "--worker", json.dumps(spec)]
+        # The worker imports this very package, wherever it was started from (`-m` would put
+        # the working directory first on sys.path, where a source tree may shadow it).
+        parent = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        cmd = [sys.executable, "-c", "import sys; sys.path.insert(0, sys.argv.pop(1)); "
+               "from tf_relupool.measure import main; sys.exit(main())", parent, "--worker",
+               json.dumps(spec)]
         out = h.run_fresh(cmd, a.trial_timeout, env=env)
         try:
             result = h.read_result(out["stdout"])
