@@ -20,12 +20,13 @@ from tf_relupool import keras_fusion, xla  # noqa: F401  (the switch and the fus
 from tf_relupool.rewrite_graph import rewrite_function, rewrite_graph
 from tf_relupool.rewrite_model import rewrite_model
 from tf_relupool.saved_model import load_saved_model
+from tf_relupool.report import FusionReport, fusion_report
 
 
 __all__ = ["KEEP_ARGMAX", "KEEP_INPUT", "OpLibraryError", "load_library", "relu_max_pool2d",
            "ReluMaxPool2D", "disable_recompute", "enable_recompute", "recompute",
            "recompute_enabled", "recompute_mode", "rewrite_function", "rewrite_graph",
-           "rewrite_model", "load_saved_model"]
+           "rewrite_model", "load_saved_model", "fusion_report", "FusionReport"]
 __version__ = _versions.VERSION
 
 # Register the ops at import, so that GraphDefs and SavedModels naming them load after

@@ -42,6 +42,7 @@ Keras' wrapper fuses it) and a ReLU + `tf.nn.max_pool2d` / `tf.nn.max_pool` insi
 where the call does not reach the wrapper. The switch is read at trace time, like everything
 else it does: functions traced before it changed keep what they were traced with.
 """
+import contextlib
 import logging
 import threading
 
@@ -61,6 +62,35 @@ _stats = {"fused": 0, "fused_through_pad": 0}
 _fallen_back = {"unknown_size": 0, "large_window": 0}  # xla.UNKNOWN_SIZE, xla.LARGE_WINDOW
 _DTYPES = ("float16", "bfloat16", "float32", "float64")
 _warned = set()  # the roles without a rule here, warned once
+
+
+def _record(**event):
+    """Adds a decision to the events of an active recording() on this thread."""
+    events = getattr(_local, "record", None)
+    if events is not None:
+        event["scope"] = _name_scope()
+        events.append(event)
+
+
+def _name_scope():
+    try:
+        from tensorflow.python.framework import ops as tf_ops
+        return tf_ops.get_default_graph().get_name_scope()
+    except Exception:  # noqa: BLE001 - a description only
+        return ""
+
+
+@contextlib.contextmanager
+def recording():
+    """Collects, on this thread, each trace-time decision of the switch under XLA while the
+    block runs: a list of dicts {"fused": bool, "reason" (when not fused), "path", "scope",
+    "input_op", "pool_input_bytes", "code_bytes"}; tf_relupool.fusion_report reads it."""
+    previous = getattr(_local, "record", None)
+    _local.record = events = []
+    try:
+        yield events
+    finally:
+        _local.record = previous
 
 
 def stats():
@@ -226,9 +256,17 @@ def _fuse(inputs, ksize, strides, padding, fmt, stock_pool, path):
     from tf_relupool import xla
     if not (isinstance(inputs, tf.Tensor) and inputs.shape.rank == 4
             and padding in ("VALID", "SAME") and inputs.dtype.name in _DTYPES):
+        if getattr(_local, "probe", None) is None:
+            _record(fused=False, path=path, input_op=getattr(getattr(inputs, "op", None), "name",
+                                                              None),
+                    reason="not a 4-D floating-point input with VALID or SAME padding")
         return None
     found = _fusable_input(inputs)
     if found is None:
+        if getattr(_local, "probe", None) is None:
+            _record(fused=False, path=path, input_op=inputs.op.name,
+                    reason=f"the pool's input comes from {inputs.op.type}, not a ReLU (or a "
+                           "zero Pad of one)")
         return None
     probe = getattr(_local, "probe", None)
     if probe is not None:  # _check_dispatch: reached; nothing built, nothing counted
@@ -242,13 +280,30 @@ def _fuse(inputs, ksize, strides, padding, fmt, stock_pool, path):
     if reason is not None:
         _fallen_back[reason[0]] += 1
         xla.warn_fallback(*reason)
+        _record(fused=False, path=path, input_op=inputs.op.name, reason=reason[1])
         return stock_pool(inputs)
     if pad is not None:
         z = tf.pad(z, pad[0], constant_values=tf.constant(pad[1], z.dtype))
     _stats["fused"] += 1
     _stats["fused_through_pad"] += pad is not None
+    if getattr(_local, "record", None) is not None:
+        known = inputs.shape.is_fully_defined()
+        _record(fused=True, path=path, input_op=inputs.op.name, through_pad=pad is not None,
+                pool_input_bytes=(inputs.shape.num_elements() * inputs.dtype.size
+                                  if known else None),
+                code_bytes=(_pooled_elements(inputs.shape, ksize, strides, padding, fmt)
+                            if known else None))
     return xla.relu_max_pool2d(z, ksize, strides, padding, [], fmt,
                                traced=xla.TracedPool(inputs, skipped, stock_pool))
+
+
+def _pooled_elements(shape, ksize, strides, padding, fmt):
+    """Elements of the pool's output (one byte of code each under the fusion)."""
+    from tf_relupool import xla
+    rows, cols = (1, 2) if fmt == "NHWC" else (2, 3)
+    dims = xla.pool_geometry((shape[rows], shape[cols]), ksize, strides, padding, [], fmt)
+    channels = shape[3] if fmt == "NHWC" else shape[1]
+    return int(shape[0]) * int(channels) * dims[0][-1] * dims[1][-1]
 
 
 def _no_autograph(fn):

@@ -1,0 +1,79 @@
+"""tf_relupool.fusion_report (tf_relupool/report.py): each ReLU + max pool of a Keras model's
+training step, fused or why not, on the XLA and Grappler routes, and the bytes each fusion
+saves per step."""
+import keras
+import pytest
+import tensorflow as tf
+
+import tf_relupool
+
+
+def _model(dtype="float32"):
+    """Three pools: after a ReLU, after a BatchNormalization (no ReLU), after a ReLU."""
+    keras.utils.set_random_seed(0)
+    inp = keras.Input((32, 32, 3), dtype=dtype)
+    x = keras.layers.Conv2D(8, 3, padding="same", activation="relu", name="c1")(inp)
+    x = keras.layers.MaxPooling2D(2, name="p1")(x)
+    x = keras.layers.Conv2D(8, 3, padding="same", name="c2")(x)
+    x = keras.layers.BatchNormalization(name="bn")(x)
+    x = keras.layers.MaxPooling2D(2, name="p2")(x)
+    x = keras.layers.Conv2D(4, 3, padding="same", activation="relu", name="c3")(x)
+    x = keras.layers.MaxPooling2D(2, strides=1, padding="same", name="p3")(x)
+    out = keras.layers.Dense(10)(keras.layers.Flatten()(x))
+    return keras.Model(inp, out)
+
+
+@pytest.mark.parametrize("route", ["xla", "grappler"])
+def test_each_pair_fused_or_why_not_and_bytes_saved(route):
+    report = tf_relupool.fusion_report(_model(), batch_size=16, routes=route)
+    pairs = report.pairs
+    assert [p["route"] for p in pairs] == [route] * 3
+    assert [p["fused"] for p in pairs] == [True, False, True]
+    assert all(p["where"] for p in pairs)
+    # the BatchNormalization's pool: no ReLU in front, said so
+    assert "not a ReLU" in pairs[1]["reason"] and pairs[1]["bytes_saved"] is None
+    # p1: 16x32x32x8 fp32 ReLU output kept by stock, against 16x16x16x8 one-byte codes;
+    # p3 (3x3... here 2x2 stride 1 SAME over 8x8x4): 16x8x8x4 floats against as many codes
+    assert pairs[0]["bytes_saved"] == 16 * 32 * 32 * 8 * 4 - 16 * 16 * 16 * 8
+    assert pairs[2]["bytes_saved"] == 16 * 8 * 8 * 4 * 4 - 16 * 8 * 8 * 4
+    assert report.bytes_saved(route) == pairs[0]["bytes_saved"] + pairs[2]["bytes_saved"]
+    assert "| no |" in str(report) and f"{route}: 2 pair(s) fused" in str(report)
+
+
+def test_both_routes_agree_and_the_switch_is_left_as_it_was():
+    tf_relupool.disable_recompute()
+    report = tf_relupool.fusion_report(_model(), batch_size=4)
+    xla = [(p["fused"], p["bytes_saved"]) for p in report.pairs if p["route"] == "xla"]
+    grappler = [(p["fused"], p["bytes_saved"]) for p in report.pairs if p["route"] == "grappler"]
+    assert xla == grappler and len(xla) == 3
+    assert tf_relupool.recompute_mode() is None
+
+
+def test_a_relu_feeding_a_pool_and_another_branch():
+    """The XLA route fuses it (the ReLU stays for the other consumer); whatever the Grappler
+    pass decides, an unfused pair carries a reason and a fused one its bytes."""
+    inp = keras.Input((8, 8, 2))
+    a = keras.layers.Conv2D(4, 3, padding="same", activation="relu")(inp)
+    p = keras.layers.Flatten()(keras.layers.MaxPooling2D(2)(a))
+    g = keras.layers.GlobalAveragePooling2D()(a)
+    model = keras.Model(inp, keras.layers.Dense(3)(keras.layers.Concatenate()([p, g])))
+    report = tf_relupool.fusion_report(model, batch_size=2)
+    assert [p["fused"] for p in report.pairs if p["route"] == "xla"] == [True]
+    for pair in report.pairs:
+        assert (pair["bytes_saved"] or 0) > 0 if pair["fused"] else pair["reason"]
+
+
+@pytest.mark.parametrize("kwargs, word", [({"batch_size": 0}, "batch_size"),
+                                          ({"batch_size": 2.5}, "batch_size"),
+                                          ({"routes": ("xla", "gpu")}, "routes"),
+                                          ({"keep": "codes"}, "keep")])
+def test_bad_arguments_are_named(kwargs, word):
+    with pytest.raises(ValueError, match=word):
+        tf_relupool.fusion_report(_model(), **kwargs)
+
+
+def test_unknown_input_size_is_an_error():
+    inp = keras.Input((None, None, 3))
+    out = keras.layers.MaxPooling2D(2)(keras.layers.ReLU()(inp))
+    with pytest.raises(ValueError, match="unknown dimensions"):
+        tf_relupool.fusion_report(keras.Model(inp, out))

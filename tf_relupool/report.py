@@ -1,0 +1,171 @@
+"""What the switch fuses in a Keras model's training step, pair by pair, on both routes.
+
+    report = tf_relupool.fusion_report(model, batch_size=32)
+    print(report)                # a table: each ReLU + max pool, fused or why not, bytes saved
+    report.pairs                 # the same as dicts
+
+The model's training step (forward, loss, gradients of its trainable weights) is traced, not
+run, twice with the switch on:
+
+- "xla": inside `tf.function(jit_compile=True)` (Keras' default compile on a GPU), where the
+  trace-time fusion (tf_relupool/keras_fusion.py) decides each max pool as Keras or tf.nn
+  calls it; tracing is enough, nothing is compiled;
+- "grappler": without XLA (`jit_compile=False`, a CPU-only machine, tf.distribute), where the
+  graph pass decides; its decisions come from running the pass over the traced graph offline
+  (tf_relupool.grappler.rewrite_serialized_graph), as Grappler would.
+
+Bytes saved per step, for a fused pair: the pool's input (the ReLU's output, or its padded
+copy), which stock keeps for the pool's backward, minus the one-byte codes the fused op keeps
+instead, at the traced batch size.
+"""
+import collections
+
+Pair = collections.namedtuple("Pair", "route where fused reason bytes_saved")
+
+
+class FusionReport:
+    """The decisions of fusion_report (`pairs`: a list of dicts; str(): a Markdown table)."""
+
+    def __init__(self, pairs, batch_size):
+        self.pairs = pairs
+        self.batch_size = batch_size
+
+    def fused(self, route):
+        return [p for p in self.pairs if p["route"] == route and p["fused"]]
+
+    def bytes_saved(self, route):
+        return sum(p["bytes_saved"] or 0 for p in self.fused(route))
+
+    def __str__(self):
+        lines = [f"Training step at batch {self.batch_size}:", "",
+                 "| route | where | fused | why not | saved per step |", "|---|---|---|---|---|"]
+        for p in self.pairs:
+            saved = "" if p["bytes_saved"] is None else f"{p['bytes_saved'] / 2 ** 20:.2f} MiB"
+            lines.append(f"| {p['route']} | {p['where']} | {'yes' if p['fused'] else 'no'} | "
+                         f"{p['reason'] or ''} | {saved} |")
+        for route in sorted({p["route"] for p in self.pairs}):
+            lines.append(f"\n{route}: {len(self.fused(route))} pair(s) fused, "
+                         f"{self.bytes_saved(route) / 2 ** 20:.2f} MiB saved per step")
+        return "\n".join(lines)
+
+    __repr__ = __str__
+
+
+def _step(model):
+    import keras
+    import tensorflow as tf
+
+    def step(x):
+        with tf.GradientTape() as tape:
+            out = model(x, training=True)
+            loss = tf.add_n([tf.reduce_sum(tf.cast(o, tf.float32))
+                             for o in tf.nest.flatten(out)])
+        return tape.gradient(loss, model.trainable_variables)
+    del keras
+    return step
+
+
+def _spec(model, batch_size):
+    import tensorflow as tf
+    shape = model.input_shape
+    if isinstance(shape, list) or not isinstance(shape, tuple):
+        raise ValueError("fusion_report: `model` must have one input, got input shape "
+                         f"{shape!r}")
+    if any(d is None for d in shape[1:]):
+        raise ValueError(f"fusion_report: the model's input shape {shape} has unknown "
+                         "dimensions; build it with a fixed shape (keras.Input((32, 32, 3)))")
+    return tf.TensorSpec((batch_size,) + tuple(shape[1:]), model.inputs[0].dtype)
+
+
+def _xla_pairs(model, spec, keep):
+    import tensorflow as tf
+    from tf_relupool import config, keras_fusion
+    with config.recompute(keep), keras_fusion.recording() as events:
+        tf.function(_step(model), jit_compile=True).get_concrete_function(spec)
+    pairs = []
+    for e in events:
+        saved = (e["pool_input_bytes"] - e["code_bytes"]
+                 if e.get("pool_input_bytes") is not None else None)
+        pairs.append({"route": "xla", "where": e["scope"] or e.get("input_op") or "?",
+                      "fused": e["fused"], "reason": e.get("reason"),
+                      "bytes_saved": saved if e["fused"] else None})
+    return pairs
+
+
+_POOLS = ("MaxPool", "MaxPoolV2")
+_FUSED = ("ReluMaxPool", "ReluMaxPoolWithWindowArgmax")
+
+
+def _grappler_pairs(model, spec, keep):
+    import tensorflow as tf
+    from tf_relupool import grappler
+    concrete = tf.function(_step(model), jit_compile=False).get_concrete_function(spec)
+    graph_def = concrete.graph.as_graph_def()
+    before = {n.name: n for n in graph_def.node}
+    pools = [n for n in graph_def.node if n.op in _POOLS]
+    fused_count, data, log = grappler.rewrite_serialized_graph(
+        graph_def.SerializeToString(), keep, preserve=[o.op.name for o in concrete.outputs])
+    after = {}
+    if data is not None:
+        rewritten = tf.compat.v1.GraphDef()
+        rewritten.ParseFromString(data)
+        after = {n.name: n for n in rewritten.node}
+    pairs = []
+    for pool in pools:
+        source = before.get(pool.input[0].split(":")[0].lstrip("^"))
+        node = after.get(pool.name)
+        fused = node is not None and node.op in _FUSED
+        if not fused and data is not None and pool.name not in after:
+            fused = any(n.op in _FUSED and pool.name in n.name for n in after.values())
+        reason = None
+        if not fused:
+            mentions = [line for line in log if pool.name in line]
+            if mentions:
+                reason = mentions[0]
+            elif source is not None and source.op not in ("Relu", "Pad", "PadV2"):
+                reason = f"the pool's input comes from {source.op}, not a ReLU (or a zero Pad of one)"
+            else:
+                reason = ("left stock by the graph pass (tf_relupool.grappler.set_verbose() logs "
+                          "its reasons)")
+        saved = None
+        if fused:
+            shape = tf.TensorShape(concrete.graph.get_operation_by_name(pool.name).inputs[0].shape)
+            out = tf.TensorShape(concrete.graph.get_operation_by_name(pool.name).outputs[0].shape)
+            dtype = concrete.graph.get_operation_by_name(pool.name).inputs[0].dtype
+            if shape.is_fully_defined() and out.is_fully_defined():
+                saved = shape.num_elements() * dtype.size - out.num_elements()
+        pairs.append({"route": "grappler", "where": pool.name.rsplit("/", 1)[0], "fused": fused,
+                      "reason": reason, "bytes_saved": saved})
+    return pairs
+
+
+def fusion_report(model, batch_size=32, routes=("xla", "grappler"), keep="argmax"):
+    """What `enable_recompute(keep)` fuses in `model`'s training step, pair by pair (module doc).
+
+    Args:
+      model: a built Keras model with one input of known shape (batch aside).
+      batch_size: the batch the step is traced at (bytes saved scale with it).
+      routes: "xla" (Keras' default compile on a GPU), "grappler" (no XLA), or both.
+      keep: the switch's mode, "argmax" (default) or "input".
+
+    Returns:
+      A FusionReport: `pairs` (route, where, fused, reason, bytes_saved) and a printable table.
+
+    Raises:
+      ValueError: a bad argument, named.
+    """
+    from tf_relupool import config
+    keep = config._check_keep(keep, allow_off=False)  # noqa: SLF001
+    if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
+        raise ValueError(f"fusion_report: batch_size must be an int >= 1, got {batch_size!r}")
+    routes = (routes,) if isinstance(routes, str) else tuple(routes)
+    bad = [r for r in routes if r not in ("xla", "grappler")]
+    if bad or not routes:
+        raise ValueError(f"fusion_report: routes must be 'xla' and/or 'grappler', got {routes!r}")
+    spec = _spec(model, batch_size)
+    pairs = []
+    if "xla" in routes:
+        pairs += _xla_pairs(model, spec, keep)
+    if "grappler" in routes:
+        pairs += _grappler_pairs(model, spec, keep)
+    return FusionReport(pairs, batch_size)
