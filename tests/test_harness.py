@@ -127,7 +127,7 @@ def test_library_built_names_the_op_library(tmp_path, monkeypatch):
     assert built is not None and re.fullmatch(r"\d{4}-\d\d-\d\d \d\d:\d\d", built), built
     (tmp_path / "__init__.py").write_text("")
     spec = importlib.util.spec_from_file_location("tf_relupool", tmp_path / "__init__.py")
-    monkeypatch.setattr(harness.importlib.util, "find_spec", lambda name: spec)
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: spec)
     assert harness.library_built() is None
 
 
