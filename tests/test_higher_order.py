@@ -78,21 +78,10 @@ def _definition_grad_grad(z, ddz, ksize, strides, padding, data_format):
     zz = np.asarray(to_nhwc(tf.cast(z, tf.float64), data_format))
     dd = np.asarray(to_nhwc(tf.cast(ddz, tf.float64), data_format))
     n, h, w, c = zz.shape
-    (r0, r1), (c0, c1) = window_grid(h, w, ksize, strides, padding, data_format)
+    (r0, _), (c0, _) = window_grid(h, w, ksize, strides, padding, data_format)
     out = np.zeros([n, len(r0), len(c0), c])
-    for b, i, j, ch in np.ndindex(*out.shape):
-        rows, cols = range(r0[i], r1[i]), range(c0[j], c1[j])
-        best, pos = -np.inf, (rows[0], cols[0])
-        for r in rows:
-            for q in cols:
-                v = zz[b, r, q, ch]
-                v = 0.0 if v < 0 else v
-                if best < v:
-                    best, pos = v, (r, q)
-        first_nan = np.isnan(zz[b, rows[0], cols[0], ch])
-        keep = best > 0 and not first_nan
-        r, q = pos if keep else (rows[0], cols[0])
-        out[b, i, j, ch] = dd[b, r, q, ch] * (1.0 if keep else 0.0)
+    for pooled, source, keep in _selections(z, ksize, strides, padding, data_format):
+        out[pooled] = dd[source] * (1.0 if keep else 0.0)
     return from_nhwc(tf.constant(out), data_format)
 
 

@@ -270,13 +270,7 @@ def _graph_op_types(fn, *specs):
     return {op.type for op in graph.get_operations()}, graph
 
 
-def _grad_fn(fn):
-    def step(z):
-        with tf.GradientTape() as tape:
-            tape.watch(z)
-            y = fn(z)
-        return y, tape.gradient(y, z, output_gradients=tf.ones_like(y))
-    return step
+_grad_fn = forward_and_input_grad
 
 
 def _forward_tensors_the_backward_reads(fn, shape):
