@@ -52,7 +52,7 @@ class FusionReport:
 
 
 def _step(model):
-    import keras
+    """The model's training step: forward, a loss over its outputs, the weights' gradients."""
     import tensorflow as tf
 
     def step(x):
@@ -61,7 +61,6 @@ def _step(model):
             loss = tf.add_n([tf.reduce_sum(tf.cast(o, tf.float32))
                              for o in tf.nest.flatten(out)])
         return tape.gradient(loss, model.trainable_variables)
-    del keras
     return step
 
 
