@@ -40,9 +40,11 @@ import json
 import os
 import platform
 import re
+import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 
@@ -68,6 +70,15 @@ LEVERS = {
     "heap256": {"XLA_FLAGS": "--xla_multiheap_size_constraint_per_heap=268435456"},
     "notriton": {"XLA_FLAGS": "--xla_gpu_enable_triton_gemm=false"},
     "determinism": {"TF_DETERMINISTIC_OPS": "1"},
+    # XLA's persistent autotune results (the directory must exist): a run that finds them does
+    # not autotune.
+    "atcache": {"XLA_FLAGS": "--xla_gpu_experimental_autotuner_cache_dir=/tmp/tfrp_autotune "
+                             "--xla_gpu_per_fusion_autotune_cache_dir=/tmp/tfrp_autotune"},
+    "async": {"TF_GPU_ALLOCATOR": "cuda_malloc_async"},
+    # A physically smaller GPU (occupy_gpu): 4096 MiB free, so that BFC's pool is about 4 GiB
+    # after TensorFlow's reserve; trials with it must run alone on the GPU.
+    "free4g": {"TFRP_GPU_FREE_MIB": "4400"},
+    "free2g": {"TFRP_GPU_FREE_MIB": "2300"},
 }
 # Per model: (memory limit MiB, granularity, lowest, highest batch tried).
 SEARCH = {"simple": (2048, 256, 256, 8192), "vgg": (2048, 128, 128, 4096),
@@ -125,12 +136,53 @@ def oom_bytes(message):
 # ---------------------------------------------------------------------------------------------
 # Worker: one process, one model and variant, one batch; with or without a memory limit.
 # ---------------------------------------------------------------------------------------------
+def occupy_gpu(free_mib):
+    """Makes the GPU physically smaller for this process: allocates, through the CUDA driver and
+    before TensorFlow starts, all of the device's free memory but `free_mib` MiB. Unlike a
+    logical device's memory_limit, this binds every allocator (BFC, cuda_malloc_async, cuDNN's
+    and XLA's own), as a smaller GPU would. Other processes on the GPU must not grow meanwhile.
+    Returns (free MiB before, ballast MiB)."""
+    import ctypes
+    cuda = ctypes.CDLL("libcuda.so.1")
+    dev, ctx = ctypes.c_int(), ctypes.c_void_p()
+    free, total = ctypes.c_size_t(), ctypes.c_size_t()
+
+    def check(rc, what):
+        if rc != 0:
+            raise RuntimeError(f"{what} failed with CUDA driver error {rc}")
+    check(cuda.cuInit(0), "cuInit")
+    check(cuda.cuDeviceGet(ctypes.byref(dev), 0), "cuDeviceGet")
+    check(cuda.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev), "cuDevicePrimaryCtxRetain")
+    check(cuda.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
+    check(cuda.cuMemGetInfo_v2(ctypes.byref(free), ctypes.byref(total)), "cuMemGetInfo")
+    ballast = int(free.value - free_mib * MIB)
+    if ballast <= 0:
+        raise RuntimeError(f"only {free.value // MIB} MiB free, less than the {free_mib} asked")
+    ptr = ctypes.c_uint64()
+    check(cuda.cuMemAlloc_v2(ctypes.byref(ptr), ctypes.c_size_t(ballast)), "cuMemAlloc")
+    return int(free.value // MIB), int(ballast // MIB)
+
+
 def worker(args):
     base, _ = parse_variant(args.variant)
-    tf, dev = start_tensorflow(args.device, memory_limit_mib=args.limit or None,
+    free = int(os.environ.get("TFRP_GPU_FREE_MIB") or 0)
+    if free:  # a physically smaller GPU instead of a logical device's limit
+        os.environ.pop("TF_FORCE_GPU_ALLOW_GROWTH", None)
+        ballast = occupy_gpu(free)
+    limit = (args.limit or None) if not free else None
+    cache = None
+    if VARIANTS[base]["switch"]:  # what enable_recompute() sets, before TensorFlow's GPU starts
+        devices.load_harness().prepare_environment(memory_limit_mib=limit)
+        from tf_relupool import autotune_cache
+        cache = autotune_cache.install(args.autotune_cache)
+    tf, dev = start_tensorflow(args.device, memory_limit_mib=limit,
                                inter_op_threads=args.inter_op_threads)
     meter = devices.StepMemory(tf, dev)
     result = {"batch": args.batch, "status": "fits", "device": dev.as_dict()}
+    if free:
+        result["gpu_free_mib"] = {"before": ballast[0], "ballast": ballast[1], "left": free}
+    if cache is not None:
+        result["autotune_cache"] = cache
     steps = []  # (seconds, peak above resident, allocator peak)
     try:
         model = build_model(tf, args.model, base)
@@ -174,6 +226,31 @@ def _worker_cmd(args, model, token, batch, limit, steps):
 
 
 def run_one(args, model, token, batch, limit, steps, timeout, log_name=None):
+    """A trial: --runs fresh worker processes in turn, as a user who runs the same script again.
+    Under the switch they share one XLA autotune cache (the switch's own, docs/memory.md), empty
+    before the first run, so a later run reuses what the first one autotuned. Its result is the
+    last run's, with every run's status, first-step time and failed allocation in "runs"."""
+    base, _ = parse_variant(token)
+    cache, runs = None, 1
+    if VARIANTS[base]["switch"]:
+        cache = tempfile.mkdtemp(prefix="tfrp-autotune-")
+        runs = max(1, getattr(args, "runs", 1))
+    try:
+        history = []
+        for i in range(runs):
+            name = log_name and (log_name if i == runs - 1 else f"{log_name}_run{i + 1}")
+            r = _run_process(args, model, token, batch, limit, steps, timeout, name, cache)
+            history.append({k: r.get(k) for k in ("status", "first_step_seconds", "seconds",
+                                                  "failed_bytes")})
+        if runs > 1:
+            r["runs"] = history
+        return r
+    finally:
+        if cache:
+            shutil.rmtree(cache, ignore_errors=True)
+
+
+def _run_process(args, model, token, batch, limit, steps, timeout, log_name, cache):
     """One fresh worker process: its RESULT (status fits/oom/error), or a status of
     crash/timeout with the stderr's last line."""
     _, levers = parse_variant(token)
@@ -186,8 +263,10 @@ def run_one(args, model, token, batch, limit, steps, timeout, log_name=None):
             "--xla_dump_hlo_as_text", "--xla_dump_hlo_module_re=.*one_step_on.*"]))
     start = time.time()
     try:
-        proc = subprocess.run(_worker_cmd(args, model, token, batch, limit, steps),
-                              capture_output=True, text=True, timeout=timeout, env=env)
+        cmd = _worker_cmd(args, model, token, batch, limit, steps)
+        if cache:
+            cmd += ["--autotune-cache", cache]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
     except subprocess.TimeoutExpired as e:
         if args.log_dir and log_name:
             _save_log(args, log_name, e.stderr)
@@ -386,6 +465,19 @@ def _trial_detail(r):
     return f", {r.get('message', '')[:160]}"
 
 
+def _status_cell(r):
+    """A trial's status; with several runs, the earlier runs' too ("fits (run 1: oom 3154 MiB,
+    first step 139 s)")."""
+    earlier = (r.get("runs") or [])[:-1]
+    if not earlier:
+        return r["status"]
+    return r["status"] + " (" + "; ".join(
+        f"run {i + 1}: {h['status']}" + (f" {_mib(h['failed_bytes'])} MiB" if h.get("failed_bytes")
+                                          else "")
+        + (f", first step {h['first_step_seconds']:.0f} s" if h.get("first_step_seconds") else "")
+        for i, h in enumerate(earlier)) + ")"
+
+
 def _median_of(runs, key):
     values = [r[key] for r in runs if r.get("status") == "fits" and r.get(key) is not None]
     return statistics.median(values) if values else None
@@ -410,7 +502,7 @@ def render(report):
                   "| steady peak MiB | failed allocation |", "|---|---|---|---|---|---|---|---|---|"]
         for r in report["trials"]:
             lines.append(f"| {r['model']} | {r['variant']} | {r['batch']} | {r['limit_mib']} | "
-                         f"{r['status']} | {r.get('first_step_seconds') or 0:.0f} | "
+                         f"{_status_cell(r)} | {r.get('first_step_seconds') or 0:.0f} | "
                          f"{_mib(r.get('total_peak_bytes'))} | {_mib(r.get('steady_peak_bytes'))} | "
                          + (f"step {r.get('failed_step')}: {_mib(r['failed_bytes'])} MiB"
                             if r.get("failed_bytes") else (r.get("message") or "")[:100]) + " |")
@@ -529,6 +621,10 @@ def parse_args(argv=None):
     p.add_argument("--max-rounds", type=int, default=4)
     p.add_argument("--trial-steps", type=int, default=2)
     p.add_argument("--trial-timeout", type=int, default=240)
+    p.add_argument("--runs", type=int, default=2,
+                   help="processes per trial of a switched variant, in turn, sharing the "
+                        "switch's XLA autotune cache (empty before the first): 2 answers for a "
+                        "user who runs the script again; the last run decides")
     p.add_argument("--inter-op-threads", type=int, default=1)
     p.add_argument("--trials", default=None,
                    help="instead of searches: MODEL:VARIANT:BATCH,... trials run --jobs at a "
@@ -546,6 +642,7 @@ def parse_args(argv=None):
     p.add_argument("--batch", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--limit", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--steps", type=int, default=2, help=argparse.SUPPRESS)
+    p.add_argument("--autotune-cache", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.search_variants is None:
         args.search_variants = list(args.variants)

@@ -148,8 +148,12 @@ def recompute(keep=KEEP_ARGMAX):
 def _notify_grappler(at_import=False):
     """Passes the switch to the graph optimizer inside TensorFlow (tf_relupool/grappler.py) and
     to the trace-time fusion under XLA (tf_relupool/keras_fusion.py; `at_import`: its dispatch
-    probe waits for the first gradient, as importing must not initialize TensorFlow's context)."""
-    from tf_relupool import grappler, keras_fusion  # late: grappler loads the op library
+    probe waits for the first gradient, as importing must not initialize TensorFlow's context);
+    turning it on also points XLA at the switch's persistent autotune cache (autotune_cache.py)."""
+    # late: grappler loads the op library
+    from tf_relupool import autotune_cache, grappler, keras_fusion
+    if _mode is not None:  # before the probe below may start TensorFlow's GPU
+        autotune_cache.install()
     keras_fusion.set_enabled(_mode is not None, probe_now=not at_import)
     grappler.set_mode(_mode)
 
