@@ -68,6 +68,7 @@ def test_pattern_split_over_devices_is_left_as_placed():
     the fused op would run on one of them, so the pass leaves the pair as placed, says why in
     one line, and the values are stock's."""
     r = run_case("""
+        tf.config.set_visible_devices([], "GPU")  # two CPU devices; no GPU takes the gradient
         cpu = tf.config.list_physical_devices("CPU")[0]
         tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
         tf_relupool.enable_recompute()

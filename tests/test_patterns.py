@@ -248,7 +248,9 @@ def test_switch_under_xla_without_the_op_library(tmp_path):
     source = os.path.dirname(tf_relupool.__file__)
     shutil.copytree(source, tmp_path / "tf_relupool", ignore=shutil.ignore_patterns(
         "*.so", "__pycache__"))
-    env = dict(os.environ, PYTHONPATH=str(tmp_path), TF_CPP_MIN_LOG_LEVEL="2")
+    # the copy first; the rest of PYTHONPATH stays (where TensorFlow itself may come from)
+    path = [str(tmp_path)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(path), TF_CPP_MIN_LOG_LEVEL="2")
     proc = subprocess.run([sys.executable, "-c", _WITHOUT_LIBRARY], capture_output=True,
                           text=True, timeout=600, cwd=tmp_path, env=env)
     lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]

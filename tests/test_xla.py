@@ -829,6 +829,7 @@ os.environ["TF_CPU_ALLOCATOR_USE_BFC"] = "true"
 sys.path.insert(0, sys.argv[1])
 import numpy as np, tensorflow as tf, keras, tf_relupool, models
 variant, policy = sys.argv[2], sys.argv[3]
+tf.config.set_visible_devices([], "GPU")  # the CPU's XLA and allocator, also where a GPU is
 tf.config.threading.set_inter_op_parallelism_threads(1)
 if policy != "float32":
     keras.config.set_dtype_policy(policy)
