@@ -20,6 +20,15 @@ jit_compile=False), it measures
   --width batches spread over the open bracket, in parallel, and keeps the largest that fits
   below the smallest that does not.
 
+A trial of a switched variant runs --runs processes in turn (default 2), sharing the XLA
+autotune cache that enable_recompute() sets, empty before the first: the answer for a user who
+runs the script again at that batch; each run's status is in the report.
+
+A GPU is made smaller in one of two ways: a logical device's memory_limit (default; BFC holds
+it), or, with the lever free4g / free2g, physically (occupy_gpu: all free memory but that much
+is taken through the CUDA driver before TensorFlow starts; such trials must run alone, --jobs 1),
+which also binds cuda_malloc_async (lever async) and cuDNN's and XLA's own allocations.
+
 A variant may carry a lever after "+": an environment setting of its processes (LEVERS), e.g.
 `default-switch+autotune0` is the switch with `XLA_FLAGS=--xla_gpu_autotune_level=0`. Levers are
 for studies; what enable_recompute() itself sets is part of the `default-switch` variant.

@@ -84,6 +84,12 @@ def enable_recompute(keep=KEEP_ARGMAX):
         nor its ReLU. "input": the pre-ReLU input, from which the backward recomputes the argmax
         (SystemML's recomputation of activations).
 
+    On a GPU it also points XLA at a persistent autotune cache, so that a later run at the same
+    batch does not autotune again: under a tight memory budget the first step's autotuning
+    decides the largest batch (tf_relupool/autotune_cache.py, docs/memory.md). Call it before
+    building the model (XLA reads its flags when TensorFlow starts its GPU); set
+    TF_RELUPOOL_AUTOTUNE_CACHE=0 to leave XLA's flags alone.
+
     Takes effect for functions traced afterwards (compile/fit a model after calling it; a model
     compiled before needs `model.compile(...)` again, a `tf.function` traced before a new
     `tf.function` object). Under XLA, warns if Keras' or TensorFlow's max pooling does not
