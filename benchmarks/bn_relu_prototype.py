@@ -43,8 +43,8 @@ import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-VARIANTS = ("stock", "proto", "proto-select", "proto-nobarrier", "recompute_grad", "remat",
-            "switch", "proto+switch", "proto-select+switch")
+VARIANTS = ("stock", "proto", "proto-select", "proto-nobarrier", "split", "split-select",
+            "recompute_grad", "remat", "switch", "proto+switch", "proto-select+switch")
 LR = 0.01
 
 
@@ -60,8 +60,7 @@ def build_model(name, size, remat=False):
             import models
             return models.resnet(input_shape=(size, size, 3))
         if name == "resnet50":
-            return keras.applications.ResNet50(weights=None, input_shape=(size, size, 3),
-                                               classes=10)
+            return keras.applications.ResNet50(weights=None, input_shape=(size, size, 3))
         if name == "tiny":
             x = inp = keras.Input((size, size, 8))
             x = layers.Conv2D(16, 3, padding="same", use_bias=False, name="conv1")(x)
@@ -282,36 +281,90 @@ class Walker:
             outs = [c.convolution_op(a, ts[k0 + j]) for j, c in enumerate(convs)]
             return outs + ([a] if others else [])
 
-        if self.mode == "recompute_grad":
+        big = {i for _, i in layout}  # z of each BN, kept shortcuts
+        barrier = {"proto": "xla", "proto-select": "select", "split": "xla",
+                   "split-select": "select"}.get(self.mode)
+
+        def hold(ts, dys):
+            """ts and dys behind the barrier: the recomputation from ts can neither be merged
+            with the forward's nor run before the incoming gradients dys exist."""
+            live = [i for i, d in enumerate(dys) if d is not None]
+            if barrier == "select":
+                # The CPU's stand-in: XLA's CPU pipeline drops opt-barriers right after its
+                # first CSE, before fusion and scheduling. select(p, x, 0) with p read from an
+                # incoming gradient (true unless it is inf/NaN) is x, but neither CSE nor the
+                # scheduler can move it before the backward.
+                pred = tf.math.is_finite(tf.reshape(dys[live[0]], [-1])[0])
+                return [tf.where(pred, t, tf.zeros_like(t)) if i in big else t
+                        for i, t in enumerate(ts)], dys
+            if barrier == "xla":
+                from tensorflow.compiler.tf2xla.ops import gen_xla_ops
+                held = gen_xla_ops.xla_optimization_barrier(list(ts) + [dys[i] for i in live])
+                dys = list(dys)
+                for j, i in enumerate(live):
+                    dys[i] = held[len(ts) + j]
+                return list(held[:len(ts)]), dys
+            return list(ts), dys
+
+        if self.mode.startswith("split"):
+            # Trace-time friendly form: the ReLU's output `a` is one custom gradient G over
+            # (normalize, add, relu) and each conv reading `a` another, C; neither keeps `a`:
+            # G's backward recomputes it for ReluGrad, C's for the kernel's gradient. The tape
+            # sums the convs' input gradients at `a` as stock's does.
+            rec = flat[:k0]
+
+            def compute_a(ts):
+                terms = [ts[i] * ts[i + 1] + ts[i + 2] if kind == "bn" else ts[i]
+                         for kind, i in layout]
+                u = add._merge_function(terms) if add is not None else terms[0]
+                return relu.call(u)
+
+            @tf.custom_gradient
+            def g_relu(*ts):
+                ts = list(ts)
+
+                def grad(da):
+                    xs, (da,) = hold(ts, [da])
+                    with tf.GradientTape() as tape:
+                        tape.watch(xs)
+                        a2 = compute_a(xs)
+                    return tape.gradient(a2, xs, output_gradients=da)
+
+                return compute_a(ts), grad
+
+            a = g_relu(*rec)
+
+            def conv_of(c):
+                @tf.custom_gradient
+                def c_conv(a, k, *ts):
+                    ts = list(ts)
+
+                    def grad(dy):
+                        xs, (dy,) = hold(ts + [k], [dy])
+                        with tf.GradientTape() as tape:
+                            a2 = compute_a(xs[:-1])
+                            tape.watch([a2, xs[-1]])
+                            y2 = c.convolution_op(a2, xs[-1])
+                        da, dk = tape.gradient(y2, [a2, xs[-1]], output_gradients=dy)
+                        return [da, dk] + [None] * len(ts)
+
+                    return c.convolution_op(a, k), grad
+
+                return c_conv
+
+            outs = [conv_of(c)(a, flat[k0 + j], *rec) for j, c in enumerate(convs)]
+            outs += [a] if others else []
+        elif self.mode == "recompute_grad":
             outs = tf.recompute_grad(lambda *ts: compute(list(ts)))(*flat)
         else:
-            barrier = {"proto": "xla", "proto-select": "select"}.get(self.mode)
 
             @tf.custom_gradient
             def segment(*ts):
                 ts = list(ts)
 
                 def grad(*dys):
-                    dys = list(dys)
                     live = [i for i, d in enumerate(dys) if d is not None]
-                    xs = ts
-                    if barrier == "select":
-                        # The CPU's stand-in: XLA's CPU pipeline drops opt-barriers right after
-                        # its first CSE, before fusion and scheduling. select(p, x, 0) with p
-                        # read from an incoming gradient (true unless it is inf/NaN) is x, but
-                        # neither CSE nor the scheduler can move it before the backward.
-                        d = dys[live[0]]
-                        pred = tf.math.is_finite(tf.reshape(d, [-1])[0])
-                        big = {i for _, i in layout}  # z of each BN, kept shortcuts
-                        xs = [tf.where(pred, t, tf.zeros_like(t)) if i in big else t
-                              for i, t in enumerate(ts)]
-                    elif barrier == "xla":
-                        from tensorflow.compiler.tf2xla.ops import gen_xla_ops
-                        held = gen_xla_ops.xla_optimization_barrier(
-                            xs + [dys[i] for i in live])
-                        xs = list(held[:len(ts)])
-                        for j, i in enumerate(live):
-                            dys[i] = held[len(ts) + j]
+                    xs, dys = hold(ts, list(dys))
                     with tf.GradientTape() as tape:
                         tape.watch(xs)
                         ys = compute(xs)
@@ -376,7 +429,7 @@ def worker(args):
     x = tf.constant(data["x"])
     y = tf.constant(data["y"])
     walker = None
-    if variant in ("proto", "proto-select", "proto-nobarrier", "recompute_grad"):
+    if variant.startswith(("proto", "split")) or variant == "recompute_grad":
         walker = Walker(model, variant)
         forward = walker
     else:
@@ -403,6 +456,10 @@ def worker(args):
     snaps = {}
     t0 = time.time()
     for s in range(max(args.steps, 3)):
+        if s == 2 and args.gate:  # --parallel: compiled; time the steps alone
+            open(args.gate + ".ready", "w").close()
+            while not os.path.exists(args.gate + ".go"):
+                time.sleep(0.05)
         if s >= 2:
             try:
                 tf.config.experimental.reset_memory_stats(dev)
@@ -468,9 +525,16 @@ def main(argv=None):
                    help="image size (default 16 tiny, 32 resnet, 224 resnet50)")
     p.add_argument("--steps", type=int, default=5, help="steps per variant (>= 3)")
     p.add_argument("--variants", default=",".join(VARIANTS))
+    p.add_argument("--nondeterministic", action="store_true",
+                   help="GPU: leave out XLA_FLAGS=--xla_gpu_deterministic_ops=true (bitwise "
+                        "comparisons then mean little)")
     p.add_argument("--hlo", action="store_true", help="also count ops of the step's HLO")
     p.add_argument("--out", default=None, help="write the results as JSON here")
     p.add_argument("--keep-dumps", default=None, help="keep XLA dumps under this directory")
+    p.add_argument("--parallel", action="store_true",
+                   help="start every variant's process at once (compiles overlap), then let "
+                        "each run its timed steps alone, one after the other")
+    p.add_argument("--gate", default=None, help=argparse.SUPPRESS)
     p.add_argument("--worker", dest="variant", default=None, help=argparse.SUPPRESS)
     p.add_argument("--init", default=None, help=argparse.SUPPRESS)
     p.add_argument("--snap", default=None, help=argparse.SUPPRESS)
@@ -499,12 +563,15 @@ def main(argv=None):
     subprocess.run([sys.executable, "-c", code], check=True, env=env,
                    stderr=subprocess.DEVNULL)
     results = {}
-    for v in args.variants.split(","):
+    variants = args.variants.split(",")
+    procs = {}
+
+    def start(v):
         dump = os.path.join(args.keep_dumps or tmp, f"dump_{args.model}_{v}")
         e = dict(env)
         flags = [f"--xla_dump_to={dump}", "--xla_dump_hlo_as_text",
                  "--xla_dump_hlo_module_re=.*train_step.*"]
-        if args.device == "gpu":
+        if args.device == "gpu" and not args.nondeterministic:
             flags.append("--xla_gpu_deterministic_ops=true")
         e["XLA_FLAGS"] = " ".join([e.get("XLA_FLAGS", "")] + flags).strip()
         e["TF_CPP_MIN_LOG_LEVEL"] = "2"
@@ -513,11 +580,34 @@ def main(argv=None):
                "--steps", str(args.steps), "--init", init,
                "--snap", os.path.join(tmp, f"{v}.npz"),
                "--result", os.path.join(tmp, f"{v}.json")] + (["--hlo"] if args.hlo else [])
-        t = time.time()
-        proc = subprocess.run(cmd, env=e, capture_output=True, text=True)
+        if args.parallel:
+            cmd += ["--gate", os.path.join(tmp, f"gate_{v}")]
+        log = open(os.path.join(tmp, f"{v}.log"), "w")
+        procs[v] = (subprocess.Popen(cmd, env=e, stdout=log, stderr=subprocess.STDOUT), dump,
+                    time.time())
+
+    if args.parallel:
+        for v in variants:
+            start(v)
+        for v in variants:  # every process compiled (or ended) before any is timed
+            while (procs[v][0].poll() is None
+                   and not os.path.exists(os.path.join(tmp, f"gate_{v}.ready"))):
+                time.sleep(0.05)
+    for v in variants:
+        if not args.parallel:
+            start(v)
+        proc, dump, t = procs[v]
+        if args.parallel:
+            gate = os.path.join(tmp, f"gate_{v}")
+            while proc.poll() is None and not os.path.exists(gate + ".ready"):
+                time.sleep(0.05)
+            open(gate + ".go", "w").close()
+        proc.wait()
         if proc.returncode:
-            print(f"{v}: FAILED\n{proc.stderr[-3000:]}", flush=True)
-            results[v] = dict(variant=v, failed=proc.stderr[-3000:])
+            with open(os.path.join(tmp, f"{v}.log")) as f:
+                err = f.read()[-3000:]
+            print(f"{v}: FAILED\n{err}", flush=True)
+            results[v] = dict(variant=v, failed=err)
             continue
         with open(os.path.join(tmp, f"{v}.json")) as f:
             r = json.load(f)
@@ -528,7 +618,9 @@ def main(argv=None):
         _print(args, r)
     if args.out:
         meta = dict(device=args.device, model=args.model, batch=args.batch, size=args.size,
-                    steps=args.steps)
+                    steps=args.steps, parallel=args.parallel,
+                    deterministic=args.device == "gpu" and not args.nondeterministic,
+                    xla_flags=os.environ.get("XLA_FLAGS", ""))
         try:
             import tensorflow as tf  # noqa: only for the version
             meta["tensorflow"] = tf.__version__
