@@ -283,12 +283,17 @@ class Walker:
 
         big = {i for _, i in layout}  # z of each BN, kept shortcuts
         barrier = {"proto": "xla", "proto-select": "select", "split": "xla",
-                   "split-select": "select"}.get(self.mode)
+                   "split-select": "select", "proto-add": "add",
+                   "proto-addbig": "add-big", "proto-selectall": "select-all",
+                   "split-selectall": "select-all"}.get(self.mode)
 
         def hold(ts, dys):
             """ts and dys behind the barrier: the recomputation from ts can neither be merged
             with the forward's nor run before the incoming gradients dys exist."""
             live = [i for i, d in enumerate(dys) if d is not None]
+            if barrier == "select-all":  # every input behind the select, kernels included
+                pred = tf.math.is_finite(tf.reshape(dys[live[0]], [-1])[0])
+                return [tf.where(pred, t, tf.zeros_like(t)) for t in ts], dys
             if barrier == "select":
                 # The CPU's stand-in: XLA's CPU pipeline drops opt-barriers right after its
                 # first CSE, before fusion and scheduling. select(p, x, 0) with p read from an
@@ -296,6 +301,15 @@ class Walker:
                 # scheduler can move it before the backward.
                 pred = tf.math.is_finite(tf.reshape(dys[live[0]], [-1])[0])
                 return [tf.where(pred, t, tf.zeros_like(t)) if i in big else t
+                        for i, t in enumerate(ts)], dys
+            if barrier in ("add", "add-big"):
+                # tf.recompute_grad's own dependency (graph mode): x + where(e == e, 0, nan), e
+                # an element of the first incoming gradient; "add" on every input as it does,
+                # "add-big" on z and the kept shortcuts only. +0.0 turns -0 into +0.
+                e = tf.reduce_max(tf.reshape(dys[live[0]], [-1])[:1])
+                eb = tf.cast(e, tf.bool)
+                dep = tf.where(eb == eb, 0., float("nan"))
+                return [t + tf.cast(dep, t.dtype) if (barrier == "add" or i in big) else t
                         for i, t in enumerate(ts)], dys
             if barrier == "xla":
                 from tensorflow.compiler.tf2xla.ops import gen_xla_ops
@@ -528,6 +542,9 @@ def main(argv=None):
     p.add_argument("--nondeterministic", action="store_true",
                    help="GPU: leave out XLA_FLAGS=--xla_gpu_deterministic_ops=true (bitwise "
                         "comparisons then mean little)")
+    p.add_argument("--no-autotune-cache", action="store_true",
+                   help="GPU: let every variant autotune its convolutions itself (by default "
+                        "the first variant's XLA autotuning results are loaded by the others)")
     p.add_argument("--hlo", action="store_true", help="also count ops of the step's HLO")
     p.add_argument("--out", default=None, help="write the results as JSON here")
     p.add_argument("--keep-dumps", default=None, help="keep XLA dumps under this directory")
@@ -566,11 +583,18 @@ def main(argv=None):
     variants = args.variants.split(",")
     procs = {}
 
-    def start(v):
+    autotune = os.path.join(tmp, "autotune.textproto")
+    cache = args.device == "gpu" and not args.no_autotune_cache
+
+    def start(v, first=False):
         dump = os.path.join(args.keep_dumps or tmp, f"dump_{args.model}_{v}")
         e = dict(env)
         flags = [f"--xla_dump_to={dump}", "--xla_dump_hlo_as_text",
                  "--xla_dump_hlo_module_re=.*train_step.*"]
+        if cache and first:
+            flags.append(f"--xla_gpu_dump_autotune_results_to={autotune}")
+        elif cache and os.path.exists(autotune):
+            flags.append(f"--xla_gpu_load_autotune_results_from={autotune}")
         if args.device == "gpu" and not args.nondeterministic:
             flags.append("--xla_gpu_deterministic_ops=true")
         e["XLA_FLAGS"] = " ".join([e.get("XLA_FLAGS", "")] + flags).strip()
@@ -586,8 +610,17 @@ def main(argv=None):
         procs[v] = (subprocess.Popen(cmd, env=e, stdout=log, stderr=subprocess.STDOUT), dump,
                     time.time())
 
+    def ready(v):
+        while (procs[v][0].poll() is None
+               and not os.path.exists(os.path.join(tmp, f"gate_{v}.ready"))):
+            time.sleep(0.05)
+
     if args.parallel:
-        for v in variants:
+        # The first variant compiles alone (on the GPU it writes XLA's autotuning results,
+        # which the others then load: the same convolution algorithms in every variant).
+        start(variants[0], first=True)
+        ready(variants[0])
+        for v in variants[1:]:
             start(v)
         for v in variants:  # every process compiled (or ended) before any is timed
             while (procs[v][0].poll() is None
@@ -595,7 +628,7 @@ def main(argv=None):
                 time.sleep(0.05)
     for v in variants:
         if not args.parallel:
-            start(v)
+            start(v, first=v == variants[0])
         proc, dump, t = procs[v]
         if args.parallel:
             gate = os.path.join(tmp, f"gate_{v}")
