@@ -16,8 +16,20 @@ run in one fresh subprocess per variant:
                   one nor be scheduled before the backward reaches it). BN's batch statistics
                   and moving-statistics updates are stock's ops outside the custom gradient.
   proto-nobarrier the same without the barrier
-  recompute_grad  the same segments under tf.recompute_grad (TensorFlow's own; no barrier)
+  proto-select    the CPU's stand-in for the barrier (XLA's CPU pipeline removes opt-barriers
+                  right after its first CSE): z and kept shortcuts pass select(p, x, 0), p = an
+                  incoming gradient's first element is finite; exact, and it orders the
+                  recomputation after the incoming gradient. proto-selectall: every input
+                  (BN's scale/shift vectors, the kernels too), as the GPU's barrier holds them.
+  proto-add       tf.recompute_grad's own dependency (x + where(e == e, 0, nan)) on every
+                  input; proto-addbig on z and kept shortcuts only
+  split           trace-time friendly form: one custom gradient G for normalize [+ add] + ReLU
+                  and one per consuming conv, C; G's backward recomputes the ReLU output for
+                  ReluGrad, each C's for its kernel gradient (split-select, split-selectall:
+                  the CPU stand-ins)
+  recompute_grad  the proto's segments under tf.recompute_grad (TensorFlow's own)
   remat           the model built inside keras.RematScope(mode="activations")
+  switch          stock under tf_relupool.enable_recompute(); "X+switch": variant X under it
 
 Prints per variant: peak bytes above resident during a steady step (allocator stats of the
 device; on the CPU with TF_CPU_ALLOCATOR_USE_BFC=true, set here), XLA's preallocated temp
@@ -27,7 +39,12 @@ weights and data are bitwise equal to stock's. With --hlo, op counts of the step
 (before and after XLA's optimizations).
 
   python benchmarks/bn_relu_prototype.py --device cpu --model resnet --batch 32 --steps 5
-  python benchmarks/bn_relu_prototype.py --device gpu --model resnet50 --batch 32 --steps 10
+  python benchmarks/bn_relu_prototype.py --device gpu --model resnet50 --batch 32 --steps 8 --parallel \
+      --variants stock,proto,proto-nobarrier,split,remat,recompute_grad --out r50.json
+  python benchmarks/bn_relu_prototype.py --device gpu --model resnet --batch 1024 --steps 10 --parallel \
+      --variants stock,switch,proto+switch,split+switch,proto,remat --out resnet.json
+(--parallel: the first variant compiles alone, the others then all at once; each times its
+steps alone. docs/bn_relu_recompute.md has the findings.)
 """
 import argparse
 import glob
@@ -577,6 +594,8 @@ def main(argv=None):
     if args.device == "cpu":
         env["CUDA_VISIBLE_DEVICES"] = ""
         env["TF_CPU_ALLOCATOR_USE_BFC"] = "true"
+    else:  # several processes share the GPU under --parallel
+        env.setdefault("TF_FORCE_GPU_ALLOW_GROWTH", "true")
     subprocess.run([sys.executable, "-c", code], check=True, env=env,
                    stderr=subprocess.DEVNULL)
     results = {}
