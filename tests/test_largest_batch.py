@@ -95,6 +95,42 @@ def test_report_of_trials_and_measurements():
     assert "24 oom (step 1: 3256 MiB)" in md
 
 
+def test_a_switched_trial_runs_again_with_the_cache_of_its_first_run(monkeypatch):
+    """--runs: a switched variant's trial runs that many processes in turn, all given one fresh
+    autotune cache directory (removed afterwards); the last run decides and every run is
+    reported. A stock variant runs once, without a cache."""
+    calls = []
+    outcomes = iter([{"batch": 48, "status": "timeout"},
+                     {"batch": 48, "status": "fits", "first_step_seconds": 18.0}])
+
+    def fake(args, model, token, batch, limit, steps, timeout, log_name, cache):
+        calls.append((token, cache, os.path.isdir(cache) if cache else None))
+        return dict(next(outcomes)) if cache else {"batch": batch, "status": "oom",
+                                                    "failed_bytes": 3256 * 2 ** 20}
+    monkeypatch.setattr(lb, "_run_process", fake)
+    args = lb.parse_args(["--runs", "2"])
+    r = lb.run_one(args, "vgg16", "default-switch+free4g", 48, 4096, 2, 100)
+    assert [c[0] for c in calls] == ["default-switch+free4g"] * 2
+    assert calls[0][1] == calls[1][1] and calls[0][2] and calls[1][2]
+    assert not os.path.exists(calls[0][1])  # removed after the trial
+    assert r["status"] == "fits" and [h["status"] for h in r["runs"]] == ["timeout", "fits"]
+    row = lb._status_cell(r)
+    assert row.startswith("fits (run 1: timeout") and "run 2" not in row
+    calls.clear()
+    r = lb.run_one(args, "vgg16", "default", 24, 4096, 2, 100)
+    assert calls == [("default", None, None)] and "runs" not in r
+    assert lb._status_cell(r) == "oom"
+    assert lb._status_cell({"status": "fits", "runs": [
+        {"status": "oom", "failed_bytes": 3154 * 2 ** 20, "first_step_seconds": None},
+        {"status": "fits"}]}) == "fits (run 1: oom 3154 MiB)"
+
+
+def test_levers_for_a_smaller_gpu_and_the_allocator():
+    env = lb.lever_env(["free4g", "async", "atcache"], base={})
+    assert env["TFRP_GPU_FREE_MIB"] == "4400" and env["TF_GPU_ALLOCATOR"] == "cuda_malloc_async"
+    assert "--xla_gpu_per_fusion_autotune_cache_dir=" in env["XLA_FLAGS"]
+
+
 @pytest.mark.parametrize("argv", [["--models", "nope"], ["--variants", "default+x"],
                                   ["--memory-limit", "vgg16"], ["--jobs", "0"]])
 def test_bad_arguments_are_errors(argv):
