@@ -197,3 +197,30 @@ def test_xla_counts_the_pairs_fused_where_keras_traces(small_model, tmp_path):
     assert switch["steady_peak_bytes"] < stock["steady_peak_bytes"]
     assert _rows(proc.stdout)["enable_recompute()"][-1] == f"{switch['fused']} (XLA)"
     assert not [l for l in proc.stderr.splitlines() if l.startswith("measure [")]  # --quiet
+
+
+def test_a_switch_trial_that_does_not_fit_runs_once_more(monkeypatch):
+    """Under a limit on a GPU, a switch trial that ran out of memory or time runs again (the
+    user's second run, with the first one's autotuning results) and reports both; stock,
+    unlimited and CPU trials run once."""
+    gpu = {"kind": "gpu"}
+    outcomes = iter([{"status": "oom", "message": "m1", "device": gpu}, {"status": "fits"},
+                     {"status": "oom", "message": "m2", "device": gpu},
+                     {"status": "timeout", "device": gpu}, {"status": "fits"},
+                     {"status": "oom", "device": {"kind": "cpu"}}])
+    calls = []
+
+    def fake(self, variant, batch, steps, limit):
+        calls.append((variant, batch, limit))
+        return dict(next(outcomes))
+    monkeypatch.setattr(measure.Run, "_trial", fake)
+    run = measure.Run(measure.parse_args(["VGG16"])[1], "applications", "VGG16", quiet=True)
+    r = run.trial("switch", 48, 2, 4096)
+    assert r["status"] == "fits" and r["first_run"]["status"] == "oom"
+    assert calls == [("switch", 48, 4096)] * 2
+    assert run.trial("stock", 24, 2, 4096)["message"] == "m2"
+    r = run.trial("switch", 64, 2, 0)  # no limit: nothing to retry for
+    assert r["status"] == "timeout" and len(calls) == 4
+    assert run.trial("switch", 8, 2, 4096) == {"status": "fits"}
+    assert run.trial("switch", 16, 2, 4096)["status"] == "oom"  # the CPU: no autotuning
+    assert len(calls) == 6

@@ -21,7 +21,9 @@ first step's (it traces, compiles and, on a GPU, autotunes), the steady step tim
 largest batch that trains --trial-steps steps under --memory-limit (--largest-batch: a multiple of
 --granularity, found by bracketing and bisection, one process per batch tried) and the ReLU +
 max-pool pairs the switch fused (under XLA: counted where Keras traces the model; without XLA:
-the Grappler pass's fusions).
+the Grappler pass's fusions). A switch trial that does not train under the limit runs once more,
+as a user's second run would: the first one left XLA's autotuning results in the switch's
+autotune cache (docs/memory.md, "The largest batch at Keras' default compile").
 """
 import argparse
 import datetime
@@ -188,6 +190,20 @@ class Run:
             print(f"measure [{time.time() - self.t0:5.0f} s] {text}", file=sys.stderr, flush=True)
 
     def trial(self, variant, batch, steps, limit):
+        """One trial process; under a limit, a switch trial that did not train runs once more:
+        the first wrote XLA's autotuning results to the switch's cache, and a user's second run
+        at that batch finds them (docs/memory.md)."""
+        result = self._trial(variant, batch, steps, limit)
+        on_gpu = (result.get("device") or {}).get("kind") == "gpu" or self.args.device == "gpu"
+        if variant == "switch" and limit and on_gpu and result["status"] in ("oom", "timeout"):
+            self.log(f"{variant} batch {batch}: {result['status']} in the first run; running "
+                     "again with its autotuning results")
+            first = {k: result.get(k) for k in ("status", "message", "seconds")}
+            result = self._trial(variant, batch, steps, limit)
+            result["first_run"] = first
+        return result
+
+    def _trial(self, variant, batch, steps, limit):
         a = self.args
         spec = {"model": self.model, "source": self.source, "input_shape": a.input_shape,
                 "variant": variant, "batch": batch, "steps": steps, "limit": limit,
