@@ -1,5 +1,6 @@
 """The global recompute switch: API, context manager, environment variable, effect on layers."""
 import os
+import re
 import subprocess
 import sys
 
@@ -8,7 +9,7 @@ import pytest
 import tensorflow as tf
 
 import tf_relupool
-from tf_relupool import config
+from tf_relupool import _state, config
 from conftest import forward_and_input_grad, xla_hlo
 
 
@@ -153,3 +154,18 @@ def test_switch_is_seen_by_other_threads():
         t.start()
         t.join()
     assert seen == ["input"]
+
+
+def test_mode_codes_are_state_h_enum():
+    """_state.MODE_CODES is cc/grappler/state.h's `enum Mode`, which the C API takes."""
+    header = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                          "cc", "grappler", "state.h")
+    if not os.path.exists(header):
+        pytest.skip("no source tree beside the tests")
+    with open(header) as f:
+        enum = re.search(r"enum Mode : int \{([^}]*)\}", f.read()).group(1)
+    codes = {name.strip(): int(value) for name, value in
+             (item.split("=") for item in enum.split(","))}
+    assert codes == {"kOff": _state.MODE_CODES[None], "kArgmax": _state.MODE_CODES["argmax"],
+                     "kInput": _state.MODE_CODES["input"]}
+    assert set(_state.MODE_CODES) == {None, *_state.KEEP_CHOICES}

@@ -36,27 +36,15 @@ import os
 import threading
 import warnings
 
-from tf_relupool.ops import KEEP_ARGMAX, KEEP_CHOICES, KEEP_INPUT
+from tf_relupool import _state, grappler, keras_fusion
+from tf_relupool._state import KEEP_ARGMAX, KEEP_INPUT
 
 ENV_VAR = "TF_RELUPOOL_RECOMPUTE"
 _OFF_WORDS = ("0", "off", "false", "no", "none", "")
 _ARGMAX_WORDS = ("1", "on", "true", "yes", KEEP_ARGMAX)
 
 logger = logging.getLogger("tf_relupool")
-_lock = threading.Lock()
-_mode = None
-
-
-def _check_keep(keep, allow_off):
-    """Normalizes a keep argument; None/False mean off where `allow_off`."""
-    if allow_off and (keep is None or keep is False):
-        return None
-    if keep is True:
-        return KEEP_ARGMAX
-    if keep not in KEEP_CHOICES:
-        allowed = KEEP_CHOICES + ((None, False) if allow_off else ())
-        raise ValueError(f"keep must be one of {allowed}, got {keep!r}")
-    return keep
+_lock = threading.Lock()  # held while the mode changes and the routes are told
 
 
 def parse_env_value(value):
@@ -92,29 +80,22 @@ def enable_recompute(keep=KEEP_ARGMAX):
     Raises:
       ValueError: `keep` is not "argmax" or "input".
     """
-    global _mode
-    keep = _check_keep(keep, allow_off=False)
-    with _lock:
-        _mode = keep
-        _notify_grappler()
+    _set(_state.check_keep(keep, allow_bool=True))
 
 
 def disable_recompute():
     """Turns the switch off: `ReluMaxPool2D(keep=None)` layers run stock relu + max_pool."""
-    global _mode
-    with _lock:
-        _mode = None
-        _notify_grappler()
+    _set(None)
 
 
 def recompute_mode():
     """The switch's value: None (off), "argmax" or "input"."""
-    return _mode
+    return _state.mode()
 
 
 def recompute_enabled():
     """Whether the switch is on (`recompute_mode()` is not None)."""
-    return _mode is not None
+    return _state.mode() is not None
 
 
 @contextlib.contextmanager
@@ -132,42 +113,47 @@ def recompute(keep=KEEP_ARGMAX):
     Raises:
       ValueError: `keep` is not "argmax", "input", None or False.
     """
-    global _mode
-    keep = _check_keep(keep, allow_off=True)
-    with _lock:
-        previous, _mode = _mode, keep
-        _notify_grappler()
+    keep = _state.check_keep(keep, allow_none=True, allow_bool=True)
+    previous = _set(keep)
     try:
         yield keep
     finally:
-        with _lock:
-            _mode = previous
-            _notify_grappler()
+        _set(previous)
 
 
-def _notify_grappler(at_import=False):
+def _set(keep, at_import=False):
+    """Sets the switch's value (checked) and returns the previous one."""
+    with _lock:
+        previous = _state.mode()
+        _state.set_mode(keep)
+        _notify_routes(at_import)
+    return previous
+
+
+def _notify_routes(at_import=False):
     """Passes the switch to the graph optimizer inside TensorFlow (tf_relupool/grappler.py) and
     to the trace-time fusion under XLA (tf_relupool/keras_fusion.py; `at_import`: its dispatch
     probe waits for the first gradient, as importing must not initialize TensorFlow's context)."""
-    from tf_relupool import grappler, keras_fusion  # late: grappler loads the op library
-    keras_fusion.set_enabled(_mode is not None, probe_now=not at_import)
-    grappler.set_mode(_mode)
+    mode = _state.mode()
+    keras_fusion.set_enabled(mode is not None, probe_now=not at_import)
+    grappler.set_mode(mode)
 
 
 def _init_from_environment():
-    global _mode
     value = os.environ.get(ENV_VAR)
     if value is None:
         return
     try:
-        _mode = parse_env_value(value)
+        mode = parse_env_value(value)
     except ValueError as e:
         # An import must not fail on a typo in the environment; say so loudly and stay off.
         warnings.warn(f"{e}; the recompute switch stays off", RuntimeWarning, stacklevel=2)
-        _mode = None
-    if _mode is not None:
-        logger.info("recompute switch on from %s=%r: keep=%r", ENV_VAR, value, _mode)
-        _notify_grappler(at_import=True)
+        mode = None
+    _state.set_mode(mode)
+    if mode is not None:
+        logger.info("recompute switch on from %s=%r: keep=%r", ENV_VAR, value, mode)
+        with _lock:
+            _notify_routes(at_import=True)
 
 
 _init_from_environment()

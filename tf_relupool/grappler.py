@@ -26,11 +26,11 @@ import os
 import threading
 
 from tf_relupool import _loader
+from tf_relupool._state import MODE_CODES
 
 ENV_VAR = "TF_RELUPOOL_GRAPPLER"
 LIBRARY_ENV_VAR = "TF_RELUPOOL_GRAPPLER_LIBRARY"  # another library holding the optimizer
 DEVICE_TYPES = ("CPU", "GPU")
-MODE_CODES = {None: 0, "argmax": 1, "input": 2}
 STAT_NAMES = ("calls", "calls_switch_off", "graphs_rewritten", "fused_with_grad",
               "fused_forward_only", "fused_conv_relu", "not_fused", "errors", "nanos", "bytes_in",
               "parse_nanos", "fused_through_pad", "fused_maxpool_v2", "nchw_ops",

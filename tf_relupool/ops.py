@@ -4,13 +4,9 @@ import tensorflow as tf
 from tensorflow.python.framework import ops as tf_ops
 
 from tf_relupool._loader import load_library
-from tf_relupool import grappler
-from tf_relupool import xla
-
-#: What the backward pass keeps from the forward pass.
-KEEP_ARGMAX = "argmax"  # one code per pooled element (1 byte for windows of < 255 positions)
-KEEP_INPUT = "input"    # the pre-ReLU input z, from which the backward recomputes the argmax
-KEEP_CHOICES = (KEEP_ARGMAX, KEEP_INPUT)
+from tf_relupool import _geometry, _state, grappler, xla
+# What the backward pass keeps from the forward pass (defined in _state, which validates it).
+from tf_relupool._state import KEEP_ARGMAX, KEEP_CHOICES, KEEP_INPUT  # noqa: F401
 
 #: GPU kernels: the fused single-pass CUDA kernels, or the seed's ReLU buffer + cuDNN pooling.
 IMPLEMENTATION_CHOICES = ("fused", "cudnn")
@@ -31,10 +27,9 @@ def _window_attr(value, name, data_format):
         elif len(value) == 2:
             spatial = value
         elif len(value) == 4:
-            outer = [value[0], value[3]] if data_format == "NHWC" else [value[0], value[1]]
-            if outer != [1, 1]:
+            spatial = list(_geometry.spatial(value, data_format))
+            if _geometry.window_attr(*spatial, data_format) != value:
                 raise ValueError(f"{name} must be 1 on the batch and channel dimensions, got {value}")
-            spatial = value[1:3] if data_format == "NHWC" else value[2:4]
         else:
             raise ValueError(f"{name} must be an int or a list of 1, 2 or 4 ints, got {value}")
     else:
@@ -43,7 +38,7 @@ def _window_attr(value, name, data_format):
         raise ValueError(f"{name} must be >= 1 in every spatial dimension, got {value}")
     if any(v > 2**31 - 1 for v in spatial):
         raise ValueError(f"{name} must be at most 2**31 - 1 in every spatial dimension, got {value}")
-    return [1] + spatial + [1] if data_format == "NHWC" else [1, 1] + spatial
+    return _geometry.window_attr(*spatial, data_format)
 
 
 def _padding_attrs(padding, ksize, data_format):
@@ -80,8 +75,7 @@ def _check_args(input, ksize, strides, padding, data_format, keep, implementatio
     if not isinstance(data_format, str) or data_format.upper() not in ("NHWC", "NCHW"):
         raise ValueError(f"data_format must be 'NHWC' or 'NCHW', got {data_format!r}")
     data_format = data_format.upper()
-    if keep not in KEEP_CHOICES:
-        raise ValueError(f"keep must be one of {KEEP_CHOICES}, got {keep!r}")
+    _state.check_keep(keep)
     if implementation not in IMPLEMENTATION_CHOICES:
         raise ValueError(f"implementation must be one of {IMPLEMENTATION_CHOICES}, "
                          f"got {implementation!r}")
@@ -98,7 +92,7 @@ def _check_args(input, ksize, strides, padding, data_format, keep, implementatio
 
 def argmax_dtype_for(input_shape, ksize, data_format="NHWC"):
     """The narrowest code type for windows of `ksize` (4 entries) over `input_shape`."""
-    rows, cols = (1, 2) if data_format == "NHWC" else (2, 3)
+    rows, cols = _geometry.spatial_axes(data_format)
     shape = tf.TensorShape(input_shape)
     dims = shape.as_list() if shape.rank is not None else [None] * 4  # unknown rank: ksize alone
     h = ksize[rows] if dims[rows] is None else min(ksize[rows], dims[rows])
