@@ -356,10 +356,9 @@ def _tf_wrapper(fn_name, original):
                 return original(t, ksize, strides, padding, data_format=data_format, name=name)
         fmt = "NHWC" if data_format is None else data_format
         if _active() and isinstance(padding, str) and fmt in ("NHWC", "NCHW"):
-            from tf_relupool import ops
             try:
-                k4 = ops._window_attr(ksize, "ksize", fmt)  # noqa: SLF001
-                s4 = ops._window_attr(strides, "strides", fmt)  # noqa: SLF001
+                k4 = _geometry.normalize_window(ksize, "ksize", fmt)
+                s4 = _geometry.normalize_window(strides, "strides", fmt)
             except ValueError:  # a tensor, another rank's form: stock's own function
                 return stock_pool(input)
             out = _fuse(input, k4, s4, padding.upper(), fmt, stock_pool, f"tf.nn.{fn_name}")

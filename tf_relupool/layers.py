@@ -1,18 +1,13 @@
 """Keras 3 layer: ReLU followed by 2-D max pooling, on the fused op when recompute is on."""
 import keras
-import numpy as np
 from keras.src.ops.operation_utils import compute_pooling_output_shape
 from keras.src.utils.argument_validation import standardize_tuple
 
-from tf_relupool import _state
+from tf_relupool import _geometry, _state
 from tf_relupool.ops import relu_max_pool2d
 
 _PADDINGS = ("valid", "same")
 _DATA_FORMATS = ("channels_last", "channels_first")
-
-
-def _is_int(v):
-    return isinstance(v, (int, np.integer)) and not isinstance(v, bool)
 
 
 def _pair(value, name):
@@ -20,9 +15,9 @@ def _pair(value, name):
 
     Keras' `standardize_tuple` (as MaxPooling2D) checks the count and the values; ints only are
     let through to it (it would take floats, strings of digits and bools)."""
-    if _is_int(value):
+    if _geometry.is_int(value):
         value = int(value)
-    elif isinstance(value, (tuple, list)) and all(_is_int(v) for v in value):
+    elif isinstance(value, (tuple, list)) and all(_geometry.is_int(v) for v in value):
         value = type(value)(int(v) for v in value)
     else:
         raise ValueError(f"The `{name}` argument must be an int or a tuple of 2 ints. "

@@ -1,5 +1,4 @@
 """Python API of the fused ReLU + max-pool ops, and their registered gradients."""
-import numpy as np
 import tensorflow as tf
 from tensorflow.python.framework import ops as tf_ops
 
@@ -15,32 +14,6 @@ SUPPORTED_DTYPES = (tf.float16, tf.bfloat16, tf.float32, tf.float64)
 _ARGMAX_DTYPES = ((tf.uint8, 255), (tf.uint16, 65535), (tf.int32, 2**31 - 1))
 
 
-def _window_attr(value, name, data_format):
-    """ksize/strides in tf.nn.max_pool2d's forms (int, 1, 2 or 4 entries) -> 4-entry list."""
-    if isinstance(value, (int, np.integer)) and not isinstance(value, bool):
-        spatial = [int(value)] * 2
-    elif isinstance(value, (list, tuple)) and all(
-            isinstance(v, (int, np.integer)) and not isinstance(v, bool) for v in value):
-        value = [int(v) for v in value]
-        if len(value) == 1:
-            spatial = value * 2
-        elif len(value) == 2:
-            spatial = value
-        elif len(value) == 4:
-            spatial = list(_geometry.spatial(value, data_format))
-            if _geometry.window_attr(*spatial, data_format) != value:
-                raise ValueError(f"{name} must be 1 on the batch and channel dimensions, got {value}")
-        else:
-            raise ValueError(f"{name} must be an int or a list of 1, 2 or 4 ints, got {value}")
-    else:
-        raise ValueError(f"{name} must be an int or a list of 1, 2 or 4 ints, got {value!r}")
-    if any(v < 1 for v in spatial):
-        raise ValueError(f"{name} must be >= 1 in every spatial dimension, got {value}")
-    if any(v > 2**31 - 1 for v in spatial):
-        raise ValueError(f"{name} must be at most 2**31 - 1 in every spatial dimension, got {value}")
-    return _geometry.window_attr(*spatial, data_format)
-
-
 def _padding_attrs(padding, ksize, data_format):
     """padding in tf.nn.max_pool2d's forms -> (padding attr, explicit_paddings attr).
 
@@ -52,8 +25,7 @@ def _padding_attrs(padding, ksize, data_format):
             raise ValueError(f"padding must be 'VALID', 'SAME' or a list of 4 (before, after) "
                              f"pairs, got {padding!r}")
         return padding.upper(), []
-    def is_int(v):
-        return isinstance(v, (int, np.integer)) and not isinstance(v, bool)
+    is_int = _geometry.is_int
     if (not isinstance(padding, (list, tuple)) or len(padding) != 4 or
             not all(isinstance(p, (list, tuple)) and len(p) == 2 and all(map(is_int, p))
                     for p in padding)):
@@ -79,8 +51,8 @@ def _check_args(input, ksize, strides, padding, data_format, keep, implementatio
     if implementation not in IMPLEMENTATION_CHOICES:
         raise ValueError(f"implementation must be one of {IMPLEMENTATION_CHOICES}, "
                          f"got {implementation!r}")
-    ksize = _window_attr(ksize, "ksize", data_format)
-    strides = _window_attr(strides, "strides", data_format)
+    ksize = _geometry.normalize_window(ksize, "ksize", data_format)
+    strides = _geometry.normalize_window(strides, "strides", data_format)
     padding, explicit_paddings = _padding_attrs(padding, ksize, data_format)
     if input.dtype not in SUPPORTED_DTYPES:
         raise ValueError(f"input dtype must be one of {[d.name for d in SUPPORTED_DTYPES]}, "
