@@ -27,6 +27,8 @@ function), and by the graph optimizer when TensorFlow optimizes a function (its 
 at every step: enabling or disabling it acts on later traces only. Change it before
 ``compile``/``fit``, or re-trace: ``model.compile(...)`` again (new train/predict functions), or
 a new ``tf.function`` object for your own functions.
+The switch's value lives in tf_relupool/_state.py (a leaf module: layers, rewrite_graph,
+rewrite_model and keras_fusion read it there); this module sets it and tells both routes.
 The switch is process-global (not per thread) so that replica threads of a
 ``tf.distribute`` strategy see the same value as the thread that set it.
 """
@@ -149,11 +151,11 @@ def _init_from_environment():
         # An import must not fail on a typo in the environment; say so loudly and stay off.
         warnings.warn(f"{e}; the recompute switch stays off", RuntimeWarning, stacklevel=2)
         mode = None
-    _state.set_mode(mode)
-    if mode is not None:
-        logger.info("recompute switch on from %s=%r: keep=%r", ENV_VAR, value, mode)
-        with _lock:
-            _notify_routes(at_import=True)
+    if mode is None:
+        _state.set_mode(None)
+        return
+    logger.info("recompute switch on from %s=%r: keep=%r", ENV_VAR, value, mode)
+    _set(mode, at_import=True)
 
 
 _init_from_environment()
