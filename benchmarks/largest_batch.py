@@ -54,7 +54,7 @@ from harness import (MIB, MODELS, VARIANT_LABELS, VARIANTS, ReportError, build_m
                      classify_error, git_head, leave, library_built, measure_steps,
                      print_result, read_result, run_worker, start_tensorflow, step_figures,
                      synthetic_batch, tail, train_step, trial_env)
-import devices  # noqa: E402  (examples/devices.py; no TensorFlow import)
+from harness import devices  # noqa: E402  (tf_relupool/_harness.py; no TensorFlow import)
 
 # Study levers: environment settings of a variant's processes (set before TensorFlow starts).
 LEVERS = {
