@@ -35,10 +35,8 @@ import sys
 import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                                "examples"))
 
-import devices  # noqa: E402  (examples/devices.py: the CPU's description)
+from harness import devices  # noqa: E402  (tf_relupool/_harness.py: the CPU's description)
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 

@@ -1,6 +1,6 @@
 """GPU memory report: stock vs fused ReLU + max pool in Keras training, on the GPU's allocator.
 
-For each model of examples/models.py and each variant
+For each model of tf_relupool/_example_models.py and each variant
 
   stock         the model as written: Conv2D(activation="relu") + MaxPooling2D;
   fused argmax  tf_relupool.rewrite_model(model, keep="argmax"): 1-byte argmax codes kept;
@@ -69,13 +69,13 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 if HERE not in sys.path:
     sys.path.insert(0, HERE)
 
-# harness.py (beside this script) puts examples/ on sys.path. build_model, synthetic_batch and
-# _step are also xla_bitwise.py's, as gpu_memory's.
+# harness.py is beside this script. build_model, synthetic_batch and _step are also
+# xla_bitwise.py's, as gpu_memory's.
 from harness import (MIB, MODELS, ROOT, VARIANT_LABELS, VARIANTS, ReportError,  # noqa: E402
                      build_model, classify_error, git_head, largest_fitting, leave,
                      library_built, print_result, read_result, round_down, run_fresh, run_worker,
                      search_start, start_tensorflow, synthetic_batch, tail, train_step as _step)
-import devices  # noqa: E402  (examples/devices.py; no TensorFlow import)
+from harness import devices  # noqa: E402  (tf_relupool/_harness.py; no TensorFlow import)
 
 CONFIG_ITEMS = ("layout-off", "remapper-off", "workspace-0", "autotune-off")
 

@@ -13,13 +13,9 @@ data, and prints:
         [--model raw|keras] [--batch 64] [--device CPU|GPU] [--deterministic] [--no-layout]
 """
 import argparse
-import os
-import sys
 import time
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                                "examples"))
-import devices  # noqa: E402  (examples/devices.py: the step memory meter)
+from harness import devices  # tf_relupool/_harness.py: the step memory meter (no TensorFlow)
 
 devices.prepare_environment()  # TF_CPU_ALLOCATOR_USE_BFC=true unless set: CPU allocator stats
 

@@ -1,6 +1,7 @@
 """GPU facts for the Grappler pass (run on the GPU machine): registration, what the pass sees
 after the layout optimizer, whether XLA-compiled functions reach it, and for the Keras models of
-examples/models.py (fp32 and mixed_bfloat16): the executed graph's fused ops and formats, the
+tf_relupool/_example_models.py (fp32 and mixed_bfloat16): the executed graph's fused ops and
+formats, the
 Transposes next to them, and whether training equals stock's bit for bit.
 
     python benchmarks/grappler_gpu.py
@@ -79,7 +80,7 @@ def main():
                                   "last_skip")})
 
 
-# ---- Keras models of examples/models.py on the GPU: what the executed graph holds ----
+# ---- Keras models of tf_relupool/_example_models.py on the GPU: what the executed graph holds ----
 def _graph_facts(nodes):
     """Fused ops (op/format), stock pooling left, Transposes next to a fused op."""
     by_name = {n.name: n for n in nodes}

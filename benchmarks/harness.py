@@ -5,15 +5,16 @@ start TensorFlow themselves, their worker processes do.
 
 Defined here:
 - MODELS / VARIANTS / VARIANT_LABELS, build_model, synthetic_batch, train_step: the models of
-  examples/models.py and keras.applications, stock or fused, compiled for SGD training, and one
-  training step of a variant (the switch on during a switched variant's steps only).
+  tf_relupool/_example_models.py and keras.applications, stock or fused, compiled for SGD
+  training, and one training step of a variant (the switch on during a switched variant's steps
+  only).
 - probe_device / detect_device: the device TensorFlow would measure here, asked in a subprocess
   (`python harness.py DEVICE` is that subprocess).
 - git_head: the commit a report was measured at.
 
 Re-exported from the package's tf_relupool/_harness.py (one copy, which `python -m
 tf_relupool.measure` uses where the package is installed; its docstring has the details), loaded
-without tf_relupool's __init__ through examples/devices.py:
+without tf_relupool's __init__ (load_harness):
 - start_tensorflow: a worker's TensorFlow, configured before it starts.
 - print_result / leave / read_result / run_worker: the worker protocol (`RESULT <json>` or
   `DEVICE_ERROR <message>` with exit status 3, the last such line read by the driver).
@@ -23,26 +24,46 @@ without tf_relupool's __init__ through examples/devices.py:
 - library_built: when the op library was built.
 - measure_steps / step_figures: timed steps under a StepMemory, and a worker's figures of them.
 
-Importing this module puts examples/ on sys.path (devices.py, models.py).
+- devices: that module itself, under the name the scripts use for its device part
+  (DEVICE_CHOICES, DeviceError, Device, prepare_environment, setup, StepMemory,
+  cpu_description), as examples/devices.py re-exports it.
 """
 import contextlib
 import glob
+import importlib
+import importlib.util
 import os
 import subprocess
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-EXAMPLES = os.path.join(ROOT, "examples")
-if EXAMPLES not in sys.path:
-    sys.path.insert(0, EXAMPLES)
 
-import devices  # noqa: E402  (examples/devices.py; no TensorFlow import)
+
+def load_harness():
+    """tf_relupool._harness, without importing the package (its __init__ imports TensorFlow):
+    the package's own module once tf_relupool is imported, else the file of the tf_relupool that
+    Python would import (installed, or on PYTHONPATH), else this checkout's."""
+    name = "tf_relupool._harness"
+    if name in sys.modules:
+        return sys.modules[name]
+    if "tf_relupool" in sys.modules:
+        return importlib.import_module(name)
+    spec = importlib.util.find_spec("tf_relupool")
+    where = list(spec.submodule_search_locations or []) if spec else []
+    paths = [os.path.join(d, "_harness.py") for d in where + [os.path.join(ROOT, "tf_relupool")]]
+    path = next(p for p in paths if os.path.exists(p))
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
 
 # The worker protocol, the search, trials and the devices live in the package
 # (tf_relupool/_harness.py), where `python -m tf_relupool.measure` uses them; loaded without
 # tf_relupool's __init__, so that no TensorFlow starts here.
-_h = devices.load_harness()
+_h = devices = load_harness()
 MIB, OOM_HINTS, RESULT, DEVICE_ERROR = _h.MIB, _h.OOM_HINTS, _h.RESULT, _h.DEVICE_ERROR
 start_tensorflow, print_result, leave = _h.start_tensorflow, _h.print_result, _h.leave
 read_result, run_worker = _h.read_result, _h.run_worker
@@ -52,8 +73,8 @@ search_start, classify_error, tail = _h.search_start, _h.classify_error, _h.tail
 trial_env, run_fresh, library_built = _h.trial_env, _h.run_fresh, _h.library_built
 measure_steps, step_figures = _h.measure_steps, _h.step_figures
 
-# examples/models.py's CIFAR-10 models (32x32x3, 10 classes), then keras.applications models
-# at 224x224x3 with 1000 classes (weights=None), as users train them.
+# tf_relupool/_example_models.py's CIFAR-10 models (32x32x3, 10 classes), then
+# keras.applications models at 224x224x3 with 1000 classes (weights=None), as users train them.
 MODELS = ("simple", "vgg", "resnet", "vgg16", "resnet50")
 APPLICATIONS = {"vgg16": "VGG16", "resnet50": "ResNet50"}
 # Each variant: the model (stock, or rewrite_model(keep=...)), the switch during its steps, how
@@ -101,7 +122,7 @@ def build_model(tf, model_name, variant, seed=0, policy=None):
             model = getattr(keras.applications, APPLICATIONS[model_name])(
                 weights=None, input_shape=(224, 224, 3), classes=1000)
         else:
-            import models
+            from tf_relupool import _example_models as models
             model = models.build(model_name)
     if spec["keep"] is not None:
         import tf_relupool

@@ -65,7 +65,7 @@ from harness import (MIB, MODELS, VARIANT_LABELS, VARIANTS, ReportError, build_m
                      classify_error, git_head, leave, library_built, measure_steps,
                      print_result, read_result, run_worker, start_tensorflow, step_figures,
                      synthetic_batch, tail, train_step, trial_env)
-import devices  # noqa: E402  (examples/devices.py; no TensorFlow import)
+from harness import devices  # noqa: E402  (tf_relupool/_harness.py; no TensorFlow import)
 
 # Study levers: environment settings of a variant's processes (set before TensorFlow starts).
 LEVERS = {
@@ -181,7 +181,7 @@ def worker(args):
     limit = (args.limit or None) if not free else None
     cache = None
     if VARIANTS[base]["switch"]:  # what enable_recompute() sets, before TensorFlow's GPU starts
-        devices.load_harness().prepare_environment(memory_limit_mib=limit)
+        devices.prepare_environment(memory_limit_mib=limit)
         from tf_relupool import autotune_cache
         cache = autotune_cache.install(args.autotune_cache)
     tf, dev = start_tensorflow(args.device, memory_limit_mib=limit,

@@ -1,8 +1,8 @@
 """What is live at a training step's memory peak: TensorFlow's memory profile, per variant.
 
 gpu_memory.py says how high a step peaks; this says what the peak is made of. For one model of
-examples/models.py and one Grappler configuration (gpu_memory.py's names: default, layout-off,
-workspace-0, ...), each variant (stock, argmax, input, switch, as in gpu_memory.py) trains
+tf_relupool/_example_models.py and one Grappler configuration (gpu_memory.py's names: default,
+layout-off, workspace-0, ...), each variant (stock, argmax, input, switch, as in gpu_memory.py) trains
 --warmup steps (2; 0 profiles the first step, which traces, optimizes and autotunes cuDNN), then
 one step under TensorFlow's profiler (tf.profiler.experimental). The
 profile's memory view (the allocator's own records: op, region, shape, chunk size and requested
@@ -33,7 +33,7 @@ if HERE not in sys.path:
 import gpu_memory  # noqa: E402  (its Grappler configurations and worker start)
 from harness import (MIB, MODELS, VARIANT_LABELS, VARIANTS, build_model,  # noqa: E402
                      synthetic_batch, train_step)
-import devices  # noqa: E402  (examples/devices.py, on sys.path through harness)
+from harness import devices  # noqa: E402  (tf_relupool/_harness.py; no TensorFlow import)
 
 
 def memory_profile(xplane_path):

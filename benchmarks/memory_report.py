@@ -1,6 +1,7 @@
 """Memory and speed report: stock vs tf.recompute_grad vs the fused ReLU + max-pool op.
 
-For each model of examples/models.py (simple CNN, VGG-style, ResNet-style) and each variant
+For each model of tf_relupool/_example_models.py (simple CNN, VGG-style, ResNet-style) and each
+variant
 
   stock           the model as written (Conv2D(relu) / ReLU + MaxPooling2D);
   recompute_grad  TensorFlow's own answer: each conv block wrapped in tf.recompute_grad;
@@ -44,9 +45,9 @@ if HERE not in sys.path:
 
 from harness import (MIB, ROOT, ReportError, bracket_and_bisect, detect_device,  # noqa: E402
                      git_head, library_built, print_result, run_worker, tail)
-import devices  # noqa: E402  (examples/devices.py, on sys.path through harness)
+from harness import devices  # noqa: E402  (tf_relupool/_harness.py; no TensorFlow import)
 
-MODELS = ("simple", "vgg", "resnet")  # examples/models.py
+MODELS = ("simple", "vgg", "resnet")  # tf_relupool/_example_models.py
 VARIANTS = ("stock", "recompute_grad", "fused argmax", "fused input")
 
 
@@ -70,7 +71,7 @@ def build_steps(tf, model_name, seed=0, variants=VARIANTS):
     """{variant: (train step tf.function, keep)} for one model's `variants`, all from the same
     weights (those `seed` gives)."""
     import keras
-    import models
+    from tf_relupool import _example_models as models
     import tf_relupool
 
     keras.utils.set_random_seed(seed)

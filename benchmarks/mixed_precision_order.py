@@ -1,5 +1,5 @@
-"""Is the mixed_bfloat16 order effect ours? Trains the same Keras model (examples/models.py, same
-weights, same batch) several times in one process, in a given order of variants, and prints each
+"""Is the mixed_bfloat16 order effect ours? Trains the same Keras model
+(tf_relupool/_example_models.py, same weights, same batch) several times in one process, in a given order of variants, and prints each
 training's losses and GPU-allocator peak. Each scenario runs in a fresh process:
 
   no-library      stock, stock              tf_relupool never imported

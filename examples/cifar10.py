@@ -1,6 +1,7 @@
 """Train a CIFAR-10 CNN with Keras, stock or with tf_relupool's fused ReLU + max pool.
 
-The models (examples/models.py) use stock Keras layers only. --recompute names what trains:
+The models (tf_relupool/_example_models.py) use stock Keras layers only. --recompute names what
+trains:
 
     off     the stock model as written
     argmax  the stock model after the one line a user adds before compile():
@@ -227,7 +228,7 @@ def _step_stats_callback(tf, dev, fusions=None):
 def train_one(args, mode, tf, dev):
     """Builds, (rewrites,) compiles, fits and evaluates the model for one --recompute mode."""
     import keras
-    import models
+    from tf_relupool import _example_models as models
     import tf_relupool
 
     keras.utils.set_random_seed(args.seed)  # same initial weights and batches for every mode

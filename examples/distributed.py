@@ -68,7 +68,7 @@ def parse_args(argv=None):
                         "(rewrite_model's ReluMaxPool2D layers)")
     p.add_argument("--keep", choices=("argmax", "input"), default="argmax")
     p.add_argument("--model", default="simple",
-                   help="simple, vgg, resnet (examples/models.py, 32x32) or vgg16 "
+                   help="simple, vgg, resnet (tf_relupool/_example_models.py, 32x32) or vgg16 "
                         "(keras.applications, --image-size, default 224)")
     p.add_argument("--image-size", type=int, default=0, help="vgg16's input size")
     p.add_argument("--steps", type=int, default=4)
@@ -192,7 +192,7 @@ def build_model(args, variant):
     if args.model == "vgg16":
         model = keras.applications.VGG16(weights=None, input_shape=image_shape(args), classes=10)
     else:
-        import models
+        from tf_relupool import _example_models as models
         model = models.build(args.model)
     return tf_relupool.rewrite_model(model, keep=args.keep) if variant == "layer" else model
 

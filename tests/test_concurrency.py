@@ -10,6 +10,7 @@ import pytest
 import tensorflow as tf
 
 import tf_relupool
+from tf_relupool import _geometry
 from conftest import assert_bitwise_equal
 
 THREADS = 16
@@ -38,8 +39,8 @@ def _api_results(z, dy, k, s, pad, fmt):
 def _all_results(lib, z, dy, k, s, pad, fmt):
     """Every op's output for one case: the Python API in both modes and the raw ops."""
     out = _api_results(z, dy, k, s, pad, fmt)
-    k4 = tf_relupool.ops._window_attr(k, "ksize", fmt)
-    s4 = tf_relupool.ops._window_attr(s, "strides", fmt)
+    k4 = _geometry.normalize_window(k, "ksize", fmt)
+    s4 = _geometry.normalize_window(s, "strides", fmt)
     attrs = dict(ksize=k4, strides=s4, padding=pad, data_format=fmt)
     y, codes = lib.relu_max_pool_with_window_argmax(z, Targmax=tf.int32, **attrs)
     out += [lib.relu_max_pool(z, **attrs), y, codes, lib.relu_max_pool_grad(z, dy, **attrs),

@@ -1,5 +1,6 @@
 """The global recompute switch: API, context manager, environment variable, effect on layers."""
 import os
+import re
 import subprocess
 import sys
 
@@ -8,7 +9,7 @@ import pytest
 import tensorflow as tf
 
 import tf_relupool
-from tf_relupool import config
+from tf_relupool import _state, config, grappler
 from conftest import forward_and_input_grad, xla_hlo
 
 
@@ -153,3 +154,27 @@ def test_switch_is_seen_by_other_threads():
         t.start()
         t.join()
     assert seen == ["input"]
+
+
+def test_python_copies_of_state_h_enums():
+    """_state.MODE_CODES is cc/grappler/state.h's `enum Mode`, which the C API takes, and
+    grappler.STAT_NAMES has one name per entry of its `enum Stat`, in order."""
+    header = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                          "cc", "grappler", "state.h")
+    if not os.path.exists(header):
+        pytest.skip("no source tree beside the tests")
+    with open(header) as f:
+        text = re.sub(r"//[^\n]*", "", f.read())
+    mode = re.search(r"enum Mode : int \{([^}]*)\}", text).group(1)
+    codes = {name.strip(): int(value) for name, value in
+             (item.split("=") for item in mode.split(","))}
+    assert codes == {"kOff": _state.MODE_CODES[None], "kArgmax": _state.MODE_CODES["argmax"],
+                     "kInput": _state.MODE_CODES["input"]}
+    assert set(_state.MODE_CODES) == {None, *_state.KEEP_CHOICES}
+    stats = [item.split("=")[0].strip() for item in
+             re.search(r"enum Stat : int \{([^}]*)\}", text).group(1).split(",")]
+    assert stats[0] == "kCalls" and stats[-1] == "kNumStats"
+    assert len(stats) - 1 == len(grappler.STAT_NAMES)
+    # the same words (Python's "calls_switch_off" is kCallsOff)
+    assert [s.lower() for s in stats[:-1]] == [
+        "k" + n.replace("_switch_off", "_off").replace("_", "") for n in grappler.STAT_NAMES]

@@ -23,7 +23,6 @@ from tf_relupool import _versions, gradient_sources, keras_fusion, xla
 from conftest import DTYPES, GPU_VISIBLE, assert_bitwise_equal, forward_and_input_grad, xla_hlo
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-EXAMPLES = os.path.join(os.path.dirname(HERE), "examples")
 
 
 @pytest.fixture(autouse=True)
@@ -827,7 +826,8 @@ _TRAIN = r"""
 import hashlib, json, os, sys
 os.environ["TF_CPU_ALLOCATOR_USE_BFC"] = "true"
 sys.path.insert(0, sys.argv[1])
-import numpy as np, tensorflow as tf, keras, tf_relupool, models
+import numpy as np, tensorflow as tf, keras, tf_relupool
+from tf_relupool import _example_models as models
 variant, policy = sys.argv[2], sys.argv[3]
 tf.config.set_visible_devices([], "GPU")  # the CPU's XLA and allocator, also where a GPU is
 tf.config.threading.set_inter_op_parallelism_threads(1)
@@ -858,7 +858,7 @@ print("RESULT " + json.dumps({"losses": losses, "peak": sorted(peaks)[1], "weigh
 
 
 def _train(variant, policy="float32"):
-    proc = subprocess.run([sys.executable, "-c", _TRAIN, EXAMPLES, variant, policy],
+    proc = subprocess.run([sys.executable, "-c", _TRAIN, os.path.dirname(HERE), variant, policy],
                           capture_output=True, text=True, timeout=600, cwd=HERE)
     lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, proc.stderr[-3000:]
@@ -867,8 +867,8 @@ def _train(variant, policy="float32"):
 
 @pytest.mark.parametrize("policy", ["float32", "mixed_bfloat16"])
 def test_keras_cnn_under_xla_on_cpu_memory_and_bits(policy):
-    """The simple CNN of examples/models.py, jit_compile=True, batch 128, 3 SGD steps, one
-    process per variant: the switch alone and rewrite_model keep XLA, train bit for bit like
+    """The simple CNN of tf_relupool/_example_models.py, jit_compile=True, batch 128, 3 SGD steps,
+    one process per variant: the switch alone and rewrite_model keep XLA, train bit for bit like
     stock under XLA, and the switch's step peak is at most 0.3x stock's (measured 0.25x)."""
     stock = _train("stock", policy)   # weights: the SHA-256 of each weight's bytes
     switch = _train("switch", policy)

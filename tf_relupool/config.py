@@ -27,6 +27,8 @@ function), and by the graph optimizer when TensorFlow optimizes a function (its 
 at every step: enabling or disabling it acts on later traces only. Change it before
 ``compile``/``fit``, or re-trace: ``model.compile(...)`` again (new train/predict functions), or
 a new ``tf.function`` object for your own functions.
+The switch's value lives in tf_relupool/_state.py (a leaf module: layers, rewrite_graph,
+rewrite_model and keras_fusion read it there); this module sets it and tells both routes.
 The switch is process-global (not per thread) so that replica threads of a
 ``tf.distribute`` strategy see the same value as the thread that set it.
 """
@@ -36,27 +38,15 @@ import os
 import threading
 import warnings
 
-from tf_relupool.ops import KEEP_ARGMAX, KEEP_CHOICES, KEEP_INPUT
+from tf_relupool import _state, autotune_cache, grappler, keras_fusion
+from tf_relupool._state import KEEP_ARGMAX, KEEP_INPUT
 
 ENV_VAR = "TF_RELUPOOL_RECOMPUTE"
 _OFF_WORDS = ("0", "off", "false", "no", "none", "")
 _ARGMAX_WORDS = ("1", "on", "true", "yes", KEEP_ARGMAX)
 
 logger = logging.getLogger("tf_relupool")
-_lock = threading.Lock()
-_mode = None
-
-
-def _check_keep(keep, allow_off):
-    """Normalizes a keep argument; None/False mean off where `allow_off`."""
-    if allow_off and (keep is None or keep is False):
-        return None
-    if keep is True:
-        return KEEP_ARGMAX
-    if keep not in KEEP_CHOICES:
-        allowed = KEEP_CHOICES + ((None, False) if allow_off else ())
-        raise ValueError(f"keep must be one of {allowed}, got {keep!r}")
-    return keep
+_lock = threading.Lock()  # held while the mode changes and the routes are told
 
 
 def parse_env_value(value):
@@ -98,29 +88,22 @@ def enable_recompute(keep=KEEP_ARGMAX):
     Raises:
       ValueError: `keep` is not "argmax" or "input".
     """
-    global _mode
-    keep = _check_keep(keep, allow_off=False)
-    with _lock:
-        _mode = keep
-        _notify_grappler()
+    _set(_state.check_keep(keep, allow_bool=True))
 
 
 def disable_recompute():
     """Turns the switch off: `ReluMaxPool2D(keep=None)` layers run stock relu + max_pool."""
-    global _mode
-    with _lock:
-        _mode = None
-        _notify_grappler()
+    _set(None)
 
 
 def recompute_mode():
     """The switch's value: None (off), "argmax" or "input"."""
-    return _mode
+    return _state.mode()
 
 
 def recompute_enabled():
     """Whether the switch is on (`recompute_mode()` is not None)."""
-    return _mode is not None
+    return _state.mode() is not None
 
 
 @contextlib.contextmanager
@@ -138,46 +121,50 @@ def recompute(keep=KEEP_ARGMAX):
     Raises:
       ValueError: `keep` is not "argmax", "input", None or False.
     """
-    global _mode
-    keep = _check_keep(keep, allow_off=True)
-    with _lock:
-        previous, _mode = _mode, keep
-        _notify_grappler()
+    keep = _state.check_keep(keep, allow_none=True, allow_bool=True)
+    previous = _set(keep)
     try:
         yield keep
     finally:
-        with _lock:
-            _mode = previous
-            _notify_grappler()
+        _set(previous)
 
 
-def _notify_grappler(at_import=False):
+def _set(keep, at_import=False):
+    """Sets the switch's value (checked) and returns the previous one."""
+    with _lock:
+        previous = _state.mode()
+        _state.set_mode(keep)
+        _notify_routes(at_import)
+    return previous
+
+
+def _notify_routes(at_import=False):
     """Passes the switch to the graph optimizer inside TensorFlow (tf_relupool/grappler.py) and
     to the trace-time fusion under XLA (tf_relupool/keras_fusion.py; `at_import`: its dispatch
     probe waits for the first gradient, as importing must not initialize TensorFlow's context);
     turning it on also points XLA at the switch's persistent autotune cache (autotune_cache.py)."""
-    # late: grappler loads the op library
-    from tf_relupool import autotune_cache, grappler, keras_fusion
-    if _mode is not None:  # before the probe below may start TensorFlow's GPU
+    mode = _state.mode()
+    if mode is not None:  # before the probe below may start TensorFlow's GPU
         autotune_cache.install()
-    keras_fusion.set_enabled(_mode is not None, probe_now=not at_import)
-    grappler.set_mode(_mode)
+    keras_fusion.set_enabled(mode is not None, probe_now=not at_import)
+    grappler.set_mode(mode)
 
 
 def _init_from_environment():
-    global _mode
     value = os.environ.get(ENV_VAR)
     if value is None:
         return
     try:
-        _mode = parse_env_value(value)
+        mode = parse_env_value(value)
     except ValueError as e:
         # An import must not fail on a typo in the environment; say so loudly and stay off.
         warnings.warn(f"{e}; the recompute switch stays off", RuntimeWarning, stacklevel=2)
-        _mode = None
-    if _mode is not None:
-        logger.info("recompute switch on from %s=%r: keep=%r", ENV_VAR, value, _mode)
-        _notify_grappler(at_import=True)
+        mode = None
+    if mode is None:
+        _state.set_mode(None)
+        return
+    logger.info("recompute switch on from %s=%r: keep=%r", ENV_VAR, value, mode)
+    _set(mode, at_import=True)
 
 
 _init_from_environment()

@@ -26,11 +26,11 @@ import os
 import threading
 
 from tf_relupool import _loader
+from tf_relupool._state import MODE_CODES
 
 ENV_VAR = "TF_RELUPOOL_GRAPPLER"
 LIBRARY_ENV_VAR = "TF_RELUPOOL_GRAPPLER_LIBRARY"  # another library holding the optimizer
 DEVICE_TYPES = ("CPU", "GPU")
-MODE_CODES = {None: 0, "argmax": 1, "input": 2}
 STAT_NAMES = ("calls", "calls_switch_off", "graphs_rewritten", "fused_with_grad",
               "fused_forward_only", "fused_conv_relu", "not_fused", "errors", "nanos", "bytes_in",
               "parse_nanos", "fused_through_pad", "fused_maxpool_v2", "nchw_ops",
@@ -133,14 +133,8 @@ def ensure_registered():
     if _registered or _failure is not None:
         return
     with _lock:
-        if _registered or _failure is not None or _disabled_by_environment():
-            return
-        try:
-            register()
-        except GrapplerUnavailable as e:
-            if _failure_warned():
-                logger.warning("%s; the fused ops may run between TensorFlow's layout "
-                               "transposes on a GPU", e)
+        if not _registered and _failure is None:
+            _try_register("the fused ops may run between TensorFlow's layout transposes on a GPU")
 
 
 def set_mode(mode):
@@ -151,18 +145,26 @@ def set_mode(mode):
     if mode not in MODE_CODES:
         raise ValueError(f"mode must be one of {tuple(MODE_CODES)}, got {mode!r}")
     with _lock:
-        if mode is not None and not _registered:
-            if _disabled_by_environment():
-                return
-            try:
-                register()
-            except GrapplerUnavailable as e:
-                if _failure_warned():
-                    logger.warning("%s; the switch fuses stock ReLU + max pool inside "
-                                   "XLA-compiled functions only (that needs no library)", e)
-                return
+        if mode is not None and not _registered and not _try_register(
+                "the switch fuses stock ReLU + max pool inside XLA-compiled functions only (that "
+                "needs no library)"):
+            return
         if _lib is not None:
             _lib.tf_relupool_grappler_set_mode(MODE_CODES[mode])
+
+
+def _try_register(consequence):
+    """register() unless TF_RELUPOOL_GRAPPLER=0; whether it is registered. A failure is logged
+    once (a WARNING with `consequence`), never raised."""
+    if _disabled_by_environment():
+        return False
+    try:
+        register()
+    except GrapplerUnavailable as e:
+        if _failure_warned():
+            logger.warning("%s; %s", e, consequence)
+        return False
+    return True
 
 
 _warned = []

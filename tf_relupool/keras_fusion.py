@@ -48,7 +48,7 @@ import threading
 
 import numpy as np
 
-from tf_relupool import gradient_sources, patterns
+from tf_relupool import _geometry, _state, gradient_sources, patterns
 
 logger = logging.getLogger("tf_relupool")
 
@@ -243,8 +243,8 @@ class _Bypass:
 
 
 def _active():
-    from tf_relupool import config, xla
-    return (not getattr(_local, "bypass", 0) and config.recompute_mode() is not None
+    from tf_relupool import xla
+    return (not getattr(_local, "bypass", 0) and _state.mode() is not None
             and xla.in_xla_context())
 
 
@@ -300,8 +300,7 @@ def _fuse(inputs, ksize, strides, padding, fmt, stock_pool, path):
 def _pooled_elements(shape, ksize, strides, padding, fmt):
     """Elements of the pool's output (one byte of code each under the fusion)."""
     from tf_relupool import xla
-    rows, cols = (1, 2) if fmt == "NHWC" else (2, 3)
-    dims = xla.pool_geometry((shape[rows], shape[cols]), ksize, strides, padding, [], fmt)
+    dims = xla.pool_geometry(_geometry.spatial(shape, fmt), ksize, strides, padding, [], fmt)
     channels = shape[3] if fmt == "NHWC" else shape[1]
     return int(shape[0]) * int(channels) * dims[0][-1] * dims[1][-1]
 
@@ -357,10 +356,9 @@ def _tf_wrapper(fn_name, original):
                 return original(t, ksize, strides, padding, data_format=data_format, name=name)
         fmt = "NHWC" if data_format is None else data_format
         if _active() and isinstance(padding, str) and fmt in ("NHWC", "NCHW"):
-            from tf_relupool import ops
             try:
-                k4 = ops._window_attr(ksize, "ksize", fmt)  # noqa: SLF001
-                s4 = ops._window_attr(strides, "strides", fmt)  # noqa: SLF001
+                k4 = _geometry.normalize_window(ksize, "ksize", fmt)
+                s4 = _geometry.normalize_window(strides, "strides", fmt)
             except ValueError:  # a tensor, another rank's form: stock's own function
                 return stock_pool(input)
             out = _fuse(input, k4, s4, padding.upper(), fmt, stock_pool, f"tf.nn.{fn_name}")
@@ -426,8 +424,7 @@ def _check_dispatch(nn):
 
 def _attr(v, fmt):
     """A Keras pool_size/strides as the op's 4-entry attribute in `fmt`."""
-    h, w = _pair(v)
-    return [1, h, w, 1] if fmt == "NHWC" else [1, 1, h, w]
+    return _geometry.window_attr(*_pair(v), fmt)
 
 
 def _pair(v):

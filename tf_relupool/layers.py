@@ -1,38 +1,28 @@
 """Keras 3 layer: ReLU followed by 2-D max pooling, on the fused op when recompute is on."""
 import keras
-import numpy as np
+from keras.src.ops.operation_utils import compute_pooling_output_shape
+from keras.src.utils.argument_validation import standardize_tuple
 
-from tf_relupool import config
-from tf_relupool.ops import KEEP_CHOICES, relu_max_pool2d
+from tf_relupool import _geometry, _state
+from tf_relupool.ops import relu_max_pool2d
 
 _PADDINGS = ("valid", "same")
 _DATA_FORMATS = ("channels_last", "channels_first")
 
 
-def _is_int(v):
-    return isinstance(v, (int, np.integer)) and not isinstance(v, bool)
-
-
 def _pair(value, name):
-    """An int or 2 ints, each >= 1 -> tuple of 2 ints; ValueError naming `name` otherwise."""
-    if _is_int(value):
-        value = (value, value)
-    if not (isinstance(value, (tuple, list)) and len(value) == 2 and all(_is_int(v) for v in value)):
+    """An int or 2 ints, each >= 1 -> tuple of 2 ints; ValueError naming `name` otherwise.
+
+    Keras' `standardize_tuple` (as MaxPooling2D) checks the count and the values; ints only are
+    let through to it (it would take floats, strings of digits and bools)."""
+    if _geometry.is_int(value):
+        value = int(value)
+    elif isinstance(value, (tuple, list)) and all(_geometry.is_int(v) for v in value):
+        value = type(value)(int(v) for v in value)
+    else:
         raise ValueError(f"The `{name}` argument must be an int or a tuple of 2 ints. "
                          f"Received: {name}={value!r}")
-    if any(v < 1 for v in value):
-        raise ValueError(f"The `{name}` argument must be >= 1 in both dimensions. "
-                         f"Received: {name}={value!r}")
-    return tuple(int(v) for v in value)
-
-
-def pooled_size(size, pool, stride, padding):
-    """Pooled length of one spatial dimension (None stays None), as MaxPooling2D computes it."""
-    if size is None:
-        return None
-    if padding == "same":
-        return (size - 1) // stride + 1
-    return (size - pool) // stride + 1
+    return standardize_tuple(value, 2, name)
 
 
 @keras.saving.register_keras_serializable(package="tf_relupool")
@@ -106,10 +96,7 @@ class ReluMaxPool2D(keras.layers.Layer):
             raise ValueError(f"The `data_format` argument must be one of {_DATA_FORMATS} or "
                              f"None. Received: data_format={data_format!r}")
         self.data_format = data_format.lower()
-        if keep is not None and keep not in KEEP_CHOICES:
-            raise ValueError(f"The `keep` argument must be None or one of {KEEP_CHOICES}. "
-                             f"Received: keep={keep!r}")
-        self.keep = keep
+        self.keep = _state.check_keep(keep, allow_none=True)
         self.input_spec = keras.layers.InputSpec(ndim=4)
         self.built = True
 
@@ -117,7 +104,7 @@ class ReluMaxPool2D(keras.layers.Layer):
         """The backward mode a call traced now would use: "argmax", "input" or None (stock)."""
         if keras.backend.backend() != "tensorflow":
             return None
-        return self.keep if self.keep is not None else config.recompute_mode()
+        return self.keep if self.keep is not None else _state.mode()
 
     def call(self, inputs):
         keep = self.resolved_keep()
@@ -134,12 +121,8 @@ class ReluMaxPool2D(keras.layers.Layer):
         input_shape = tuple(input_shape)
         if len(input_shape) != 4:
             raise ValueError(f"ReluMaxPool2D expects 4-D input, got shape {input_shape}")
-        rows, cols = (1, 2) if self.data_format == "channels_last" else (2, 3)
-        out = list(input_shape)
-        for axis, pool, stride in ((rows, self.pool_size[0], self.strides[0]),
-                                   (cols, self.pool_size[1], self.strides[1])):
-            out[axis] = pooled_size(input_shape[axis], pool, stride, self.padding)
-        return tuple(out)
+        return compute_pooling_output_shape(input_shape, self.pool_size, self.strides,
+                                            self.padding, self.data_format)
 
     def get_config(self):
         config_ = super().get_config()

@@ -1,49 +1,17 @@
 """Python API of the fused ReLU + max-pool ops, and their registered gradients."""
-import numpy as np
 import tensorflow as tf
 from tensorflow.python.framework import ops as tf_ops
 
 from tf_relupool._loader import load_library
-from tf_relupool import grappler
-from tf_relupool import xla
-
-#: What the backward pass keeps from the forward pass.
-KEEP_ARGMAX = "argmax"  # one code per pooled element (1 byte for windows of < 255 positions)
-KEEP_INPUT = "input"    # the pre-ReLU input z, from which the backward recomputes the argmax
-KEEP_CHOICES = (KEEP_ARGMAX, KEEP_INPUT)
+from tf_relupool import _geometry, _state, grappler, xla
+# What the backward pass keeps from the forward pass (defined in _state, which validates it).
+from tf_relupool._state import KEEP_ARGMAX, KEEP_CHOICES, KEEP_INPUT  # noqa: F401
 
 #: GPU kernels: the fused single-pass CUDA kernels, or the seed's ReLU buffer + cuDNN pooling.
 IMPLEMENTATION_CHOICES = ("fused", "cudnn")
 
 SUPPORTED_DTYPES = (tf.float16, tf.bfloat16, tf.float32, tf.float64)
 _ARGMAX_DTYPES = ((tf.uint8, 255), (tf.uint16, 65535), (tf.int32, 2**31 - 1))
-
-
-def _window_attr(value, name, data_format):
-    """ksize/strides in tf.nn.max_pool2d's forms (int, 1, 2 or 4 entries) -> 4-entry list."""
-    if isinstance(value, (int, np.integer)) and not isinstance(value, bool):
-        spatial = [int(value)] * 2
-    elif isinstance(value, (list, tuple)) and all(
-            isinstance(v, (int, np.integer)) and not isinstance(v, bool) for v in value):
-        value = [int(v) for v in value]
-        if len(value) == 1:
-            spatial = value * 2
-        elif len(value) == 2:
-            spatial = value
-        elif len(value) == 4:
-            outer = [value[0], value[3]] if data_format == "NHWC" else [value[0], value[1]]
-            if outer != [1, 1]:
-                raise ValueError(f"{name} must be 1 on the batch and channel dimensions, got {value}")
-            spatial = value[1:3] if data_format == "NHWC" else value[2:4]
-        else:
-            raise ValueError(f"{name} must be an int or a list of 1, 2 or 4 ints, got {value}")
-    else:
-        raise ValueError(f"{name} must be an int or a list of 1, 2 or 4 ints, got {value!r}")
-    if any(v < 1 for v in spatial):
-        raise ValueError(f"{name} must be >= 1 in every spatial dimension, got {value}")
-    if any(v > 2**31 - 1 for v in spatial):
-        raise ValueError(f"{name} must be at most 2**31 - 1 in every spatial dimension, got {value}")
-    return [1] + spatial + [1] if data_format == "NHWC" else [1, 1] + spatial
 
 
 def _padding_attrs(padding, ksize, data_format):
@@ -57,8 +25,7 @@ def _padding_attrs(padding, ksize, data_format):
             raise ValueError(f"padding must be 'VALID', 'SAME' or a list of 4 (before, after) "
                              f"pairs, got {padding!r}")
         return padding.upper(), []
-    def is_int(v):
-        return isinstance(v, (int, np.integer)) and not isinstance(v, bool)
+    is_int = _geometry.is_int
     if (not isinstance(padding, (list, tuple)) or len(padding) != 4 or
             not all(isinstance(p, (list, tuple)) and len(p) == 2 and all(map(is_int, p))
                     for p in padding)):
@@ -80,13 +47,12 @@ def _check_args(input, ksize, strides, padding, data_format, keep, implementatio
     if not isinstance(data_format, str) or data_format.upper() not in ("NHWC", "NCHW"):
         raise ValueError(f"data_format must be 'NHWC' or 'NCHW', got {data_format!r}")
     data_format = data_format.upper()
-    if keep not in KEEP_CHOICES:
-        raise ValueError(f"keep must be one of {KEEP_CHOICES}, got {keep!r}")
+    _state.check_keep(keep)
     if implementation not in IMPLEMENTATION_CHOICES:
         raise ValueError(f"implementation must be one of {IMPLEMENTATION_CHOICES}, "
                          f"got {implementation!r}")
-    ksize = _window_attr(ksize, "ksize", data_format)
-    strides = _window_attr(strides, "strides", data_format)
+    ksize = _geometry.normalize_window(ksize, "ksize", data_format)
+    strides = _geometry.normalize_window(strides, "strides", data_format)
     padding, explicit_paddings = _padding_attrs(padding, ksize, data_format)
     if input.dtype not in SUPPORTED_DTYPES:
         raise ValueError(f"input dtype must be one of {[d.name for d in SUPPORTED_DTYPES]}, "
@@ -98,7 +64,7 @@ def _check_args(input, ksize, strides, padding, data_format, keep, implementatio
 
 def argmax_dtype_for(input_shape, ksize, data_format="NHWC"):
     """The narrowest code type for windows of `ksize` (4 entries) over `input_shape`."""
-    rows, cols = (1, 2) if data_format == "NHWC" else (2, 3)
+    rows, cols = _geometry.spatial_axes(data_format)
     shape = tf.TensorShape(input_shape)
     dims = shape.as_list() if shape.rank is not None else [None] * 4  # unknown rank: ksize alone
     h = ksize[rows] if dims[rows] is None else min(ksize[rows], dims[rows])

@@ -20,6 +20,8 @@ instead, at the traced batch size.
 """
 import collections
 
+from tf_relupool import _state
+
 Pair = collections.namedtuple("Pair", "route where fused reason bytes_saved")
 
 
@@ -153,8 +155,7 @@ def fusion_report(model, batch_size=32, routes=("xla", "grappler"), keep="argmax
     Raises:
       ValueError: a bad argument, named.
     """
-    from tf_relupool import config
-    keep = config._check_keep(keep, allow_off=False)  # noqa: SLF001
+    keep = _state.check_keep(keep, allow_bool=True)
     if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
         raise ValueError(f"fusion_report: batch_size must be an int >= 1, got {batch_size!r}")
     routes = (routes,) if isinstance(routes, str) else tuple(routes)

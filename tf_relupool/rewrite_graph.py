@@ -25,20 +25,16 @@ import logging
 
 import tensorflow as tf
 
-from tf_relupool import config
+from tf_relupool import _state
 from tf_relupool._loader import load_library
-from tf_relupool.ops import KEEP_CHOICES
 
 logger = logging.getLogger("tf_relupool")
 
 
 def resolve_graph_keep(keep):
     """keep for a static rewrite: the argument, else the switch's mode, else "argmax"."""
-    if keep is None:
-        keep = config.recompute_mode() or "argmax"
-    if keep not in KEEP_CHOICES:
-        raise ValueError(f"keep must be None or one of {KEEP_CHOICES}, got {keep!r}")
-    return keep
+    keep = _state.check_keep(keep, allow_none=True)
+    return keep or _state.mode() or _state.KEEP_ARGMAX
 
 
 def rewrite_graph(graph_def, keep=None):

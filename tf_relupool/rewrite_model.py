@@ -22,9 +22,8 @@ import logging
 
 import keras
 
-from tf_relupool import config
+from tf_relupool import _state
 from tf_relupool.layers import ReluMaxPool2D
-from tf_relupool.ops import KEEP_CHOICES
 
 logger = logging.getLogger("tf_relupool")
 
@@ -82,7 +81,130 @@ def _fused_pool(pool, keep):
                          trainable=config_.get("trainable", True))
 
 
+# -- finding: which producer -> (pad ->) pool chains are fused ------------------------------------
+def _fusable(producer, pool, n_consumers, n_calls, where, pad=None, pad_consumers=1):
+    """True if producer -> pool (or producer -> pad -> pool, pad a ZeroPadding2D) can be fused;
+    logs why not for candidates."""
+    act = _activation_name(producer)
+    path = f"{producer.name} -> " + (f"{pad.name} -> " if pad is not None else "") + pool.name
+    if isinstance(pool, _OTHER_POOLS):
+        if act == "relu":
+            logger.info("rewrite_model: %s not fused: only 2-D max pooling has a fused op", path)
+        return False
+    if not isinstance(pool, keras.layers.MaxPooling2D) or isinstance(pool, ReluMaxPool2D):
+        return False
+    if act is None:
+        return False
+    if act != "relu":
+        logger.info("rewrite_model: %s not fused: activation %s is not ReLU", path, act)
+        return False
+    if _kind(producer) is None:
+        return False
+    if n_consumers != 1:
+        logger.info("rewrite_model: %s not fused: the ReLU output has %d consumers%s",
+                    path, n_consumers, where)
+        return False
+    if pad_consumers != 1:
+        logger.info("rewrite_model: %s not fused: the padding's output has %d consumers (or "
+                    "is a model output)", path, pad_consumers)
+        return False
+    if n_calls != 1 and _kind(producer) == "linearize":
+        logger.info("rewrite_model: %s not fused: %s is called at %d places",
+                    path, producer.name, n_calls)
+        return False
+    dtypes = {producer.compute_dtype, pool.compute_dtype} | (
+        {pad.compute_dtype} if pad is not None else set())
+    if len(dtypes) != 1:
+        logger.info("rewrite_model: %s not fused: compute dtypes differ (%s)",
+                    path, ", ".join(sorted(dtypes)))
+        return False
+    logger.info("rewrite_model: fused %s into ReluMaxPool2D", path)
+    return True
+
+
+def _find_sequential(layers):
+    """A Sequential's layers in steps: (layer, None, None) copied, or (producer, pad or None,
+    pool) fused."""
+    steps = []
+    i = 0
+    while i < len(layers):
+        layer = layers[i]
+        nxt = layers[i + 1] if i + 1 < len(layers) else None
+        pad = None
+        if isinstance(nxt, keras.layers.ZeroPadding2D) and i + 2 < len(layers):
+            pad, nxt = nxt, layers[i + 2]
+        if nxt is not None and not isinstance(layer, keras.layers.InputLayer) and \
+                _fusable(layer, nxt, 1, 1, "", pad=pad):
+            steps.append((layer, pad, nxt))
+            i += 3 if pad is not None else 2
+        else:
+            steps.append((layer, None, None))
+            i += 1
+    return steps
+
+
+class _FunctionalGraph:
+    """A Functional model's nodes in call order, and the fusable chains among them."""
+
+    def __init__(self, model):
+        self.nodes = [n for depth in sorted(model._nodes_by_depth, reverse=True)
+                      for n in model._nodes_by_depth[depth]]
+        self.node_ids = {id(n) for n in self.nodes}
+        self.consumers = {}  # id(tensor) -> its consumers, a model output counting as one
+        for n in self.nodes:
+            for t in n.input_tensors:
+                self.consumers[id(t)] = self.consumers.get(id(t), 0) + 1
+        for t in keras.tree.flatten(model._outputs_struct):
+            self.consumers[id(t)] = self.consumers.get(id(t), 0) + 1
+        self.calls = {}  # id(layer) -> the nodes that call it
+        for n in self.nodes:
+            if n.operation is not None:
+                self.calls[id(n.operation)] = self.calls.get(id(n.operation), 0) + 1
+
+    def single_producer(self, t):
+        """The layer and node of this model that made `t` from one input into one output, or
+        (None, None)."""
+        op, node_index, _ = t._keras_history
+        if op is None or len(op._inbound_nodes) <= node_index:
+            return None, None
+        producer = op._inbound_nodes[node_index]
+        if id(producer) not in self.node_ids or producer.is_input or \
+                len(producer.input_tensors) != 1 or len(producer.outputs) != 1:
+            return None, None
+        return op, producer
+
+    def find(self):
+        """{id(pool node): producer node} and {id(producer node): its _kind} of the fusions."""
+        fused_pools, fused_producers = {}, {}
+        for n in self.nodes:
+            if n.operation is None or n.is_input or len(n.input_tensors) != 1:
+                continue
+            t = n.input_tensors[0]
+            op, producer = self.single_producer(t)
+            if producer is None:
+                continue
+            pad, pad_consumers = None, 1
+            if isinstance(op, keras.layers.ZeroPadding2D):  # ReLU -> ZeroPadding2D -> pool
+                pad, pad_consumers = op, self.consumers.get(id(t), 0)
+                t = producer.input_tensors[0]
+                op, producer = self.single_producer(t)
+                if producer is None:
+                    continue
+            n_consumers = self.consumers.get(id(t), 0)
+            where = "" if n_consumers == 1 else " (it feeds several layers or is a model output)"
+            if _fusable(op, n.operation, n_consumers, self.calls[id(op)], where, pad=pad,
+                        pad_consumers=pad_consumers):
+                fused_pools[id(n)] = producer
+                fused_producers[id(producer)] = _kind(op)
+        return fused_pools, fused_producers
+
+
+# -- rebuilding: the copy, with the fusions found ------------------------------------------------
 class _Rewriter:
+    """Builds a model's copy: layers copied once each (shared layers stay shared), weights
+    carried over, nested models rewritten, the fusions that _find_sequential /
+    _FunctionalGraph found applied."""
+
     def __init__(self, keep):
         self.keep = keep
         self.copies = {}     # id(old layer) -> new layer (shared layers stay shared)
@@ -117,126 +239,28 @@ class _Rewriter:
             f"subclassed {type(model).__name__}. Use ReluMaxPool2D in its code instead, or "
             "tf_relupool.rewrite_graph on its traced graph.")
 
-    # -- deciding -----------------------------------------------------------------------------
-    def _check(self, producer, pool, n_consumers, n_calls, where, pad=None, pad_consumers=1):
-        """True if producer -> pool (or producer -> pad -> pool, pad a ZeroPadding2D) can be
-        fused; logs why not for candidates."""
-        act = _activation_name(producer)
-        path = f"{producer.name} -> " + (f"{pad.name} -> " if pad is not None else "") + pool.name
-        if isinstance(pool, _OTHER_POOLS):
-            if act == "relu":
-                logger.info("rewrite_model: %s not fused: only 2-D max pooling has a fused op",
-                            path)
-            return False
-        if not isinstance(pool, keras.layers.MaxPooling2D) or isinstance(pool, ReluMaxPool2D):
-            return False
-        if act is None:
-            return False
-        if act != "relu":
-            logger.info("rewrite_model: %s not fused: activation %s is not ReLU", path, act)
-            return False
-        if _kind(producer) is None:
-            return False
-        if n_consumers != 1:
-            logger.info("rewrite_model: %s not fused: the ReLU output has %d consumers%s",
-                        path, n_consumers, where)
-            return False
-        if pad_consumers != 1:
-            logger.info("rewrite_model: %s not fused: the padding's output has %d consumers (or "
-                        "is a model output)", path, pad_consumers)
-            return False
-        if n_calls != 1 and _kind(producer) == "linearize":
-            logger.info("rewrite_model: %s not fused: %s is called at %d places",
-                        path, producer.name, n_calls)
-            return False
-        dtypes = {producer.compute_dtype, pool.compute_dtype} | (
-            {pad.compute_dtype} if pad is not None else set())
-        if len(dtypes) != 1:
-            logger.info("rewrite_model: %s not fused: compute dtypes differ (%s)",
-                        path, ", ".join(sorted(dtypes)))
-            return False
-        logger.info("rewrite_model: fused %s into ReluMaxPool2D", path)
-        self.fused += 1
-        return True
-
-    # -- Sequential ---------------------------------------------------------------------------
     def _sequential(self, model):
-        layers = list(model._layers)
         new_layers = []
-        i = 0
-        while i < len(layers):
-            layer = layers[i]
-            nxt = layers[i + 1] if i + 1 < len(layers) else None
-            pad = None
-            if isinstance(nxt, keras.layers.ZeroPadding2D) and i + 2 < len(layers):
-                pad, nxt = nxt, layers[i + 2]
-            if nxt is not None and not isinstance(layer, keras.layers.InputLayer) and \
-                    self._check(layer, nxt, 1, 1, "", pad=pad):
-                if _kind(layer) == "linearize":
-                    new_layers.append(self.copy_layer(layer, {"activation": "linear"}))
-                if pad is not None:
-                    new_layers.append(self.copy_layer(pad))
-                new_layers.append(_fused_pool(nxt, self.keep))
-                i += 3 if pad is not None else 2
+        for layer, pad, pool in _find_sequential(list(model._layers)):
+            if pool is None:
+                new_layers.append(self.copy_layer(layer))
                 continue
-            new_layers.append(self.copy_layer(layer))
-            i += 1
+            self.fused += 1
+            if _kind(layer) == "linearize":
+                new_layers.append(self.copy_layer(layer, {"activation": "linear"}))
+            if pad is not None:
+                new_layers.append(self.copy_layer(pad))
+            new_layers.append(_fused_pool(pool, self.keep))
         new = keras.Sequential(new_layers, name=model.name, trainable=model.trainable)
         if model.built and not new.built and model.inputs:
             new.build(model.inputs[0].shape)
         self._carry_weights()
         return new
 
-    # -- Functional ---------------------------------------------------------------------------
     def _functional(self, model):
-        nodes = [n for depth in sorted(model._nodes_by_depth, reverse=True)
-                 for n in model._nodes_by_depth[depth]]
-        node_ids = {id(n) for n in nodes}
-        consumers = {}
-        for n in nodes:
-            for t in n.input_tensors:
-                consumers[id(t)] = consumers.get(id(t), 0) + 1
-        for t in keras.tree.flatten(model._outputs_struct):
-            consumers[id(t)] = consumers.get(id(t), 0) + 1
-        calls = {}
-        for n in nodes:
-            if n.operation is not None:
-                calls[id(n.operation)] = calls.get(id(n.operation), 0) + 1
-
-        def single_producer(t):
-            """The layer and node of this model that made `t` from one input into one output,
-            or (None, None)."""
-            op, node_index, _ = t._keras_history
-            if op is None or len(op._inbound_nodes) <= node_index:
-                return None, None
-            producer = op._inbound_nodes[node_index]
-            if id(producer) not in node_ids or producer.is_input or \
-                    len(producer.input_tensors) != 1 or len(producer.outputs) != 1:
-                return None, None
-            return op, producer
-
-        fused_pools, fused_producers = {}, {}  # id(node) -> producer node / kind
-        for n in nodes:
-            if n.operation is None or n.is_input or len(n.input_tensors) != 1:
-                continue
-            t = n.input_tensors[0]
-            op, producer = single_producer(t)
-            if producer is None:
-                continue
-            pad, pad_consumers = None, 1
-            if isinstance(op, keras.layers.ZeroPadding2D):  # ReLU -> ZeroPadding2D -> pool
-                pad, pad_consumers = op, consumers.get(id(t), 0)
-                t = producer.input_tensors[0]
-                op, producer = single_producer(t)
-                if producer is None:
-                    continue
-            where = "" if consumers.get(id(t), 0) == 1 else " (it feeds several layers or is " \
-                "a model output)"
-            if self._check(op, n.operation, consumers.get(id(t), 0), calls[id(op)], where,
-                           pad=pad, pad_consumers=pad_consumers):
-                fused_pools[id(n)] = producer
-                fused_producers[id(producer)] = _kind(op)
-
+        graph = _FunctionalGraph(model)
+        fused_pools, fused_producers = graph.find()
+        self.fused += len(fused_pools)
         tensors = {}
         new_inputs = []
         for x in keras.tree.flatten(model._inputs_struct):
@@ -244,7 +268,7 @@ class _Rewriter:
             new_x = keras.layers.InputLayer.from_config(layer.get_config()).output
             tensors[id(x)] = new_x
             new_inputs.append(new_x)
-        for n in nodes:
+        for n in graph.nodes:
             if n.operation is None or n.is_input:
                 continue
             if any(id(t) not in tensors for t in n.input_tensors):
@@ -295,14 +319,13 @@ def rewrite_model(model, keep=None):
     Raises:
       ValueError: `keep` is invalid, or `model` is subclassed (not Sequential/Functional).
     """
-    if keep is not None and keep not in KEEP_CHOICES:
-        raise ValueError(f"keep must be None or one of {KEEP_CHOICES}, got {keep!r}")
+    keep = _state.check_keep(keep, allow_none=True)
     if not isinstance(model, keras.Model):
         raise ValueError(f"rewrite_model takes a Keras model, got {type(model).__name__}")
     rewriter = _Rewriter(keep)
     new = rewriter.rewrite(model)
     logger.info("rewrite_model: %s: %d ReLU + MaxPooling2D pair(s) fused (keep=%s, switch=%s)",
-                model.name, rewriter.fused, keep, config.recompute_mode())
+                model.name, rewriter.fused, keep, _state.mode())
     if getattr(model, "compiled", False):
         try:
             new.compile_from_config(model.get_compile_config())

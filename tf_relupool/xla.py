@@ -37,7 +37,7 @@ import numpy as np
 import tensorflow as tf
 from tensorflow.python.ops import nn_ops
 
-from tf_relupool import gradient_sources
+from tf_relupool import _geometry, gradient_sources
 
 logger = logging.getLogger("tf_relupool")
 
@@ -68,34 +68,21 @@ def in_xla_context():
         return False
 
 
-def _spatial_axes(data_format):
-    return (1, 2) if data_format == "NHWC" else (2, 3)
-
-
-def _spatial(attr, data_format):
-    rows, cols = _spatial_axes(data_format)
-    return int(attr[rows]), int(attr[cols])
-
-
 def pool_geometry(input_hw, ksize, strides, padding, explicit_paddings, data_format):
     """Per spatial dimension (input size, window, stride, pad before, pad after, output size).
 
     `ksize`/`strides` are 4-entry lists in `data_format`, `padding` "VALID"/"SAME"/"EXPLICIT".
     Output sizes as MaxPool computes them; ValueError where no window fits."""
-    rows, cols = _spatial_axes(data_format)
     dims = []
-    for axis, size in zip((rows, cols), input_hw):
+    for axis, size in zip(_geometry.spatial_axes(data_format), input_hw):
         k, s = int(ksize[axis]), int(strides[axis])
+        before = after = 0
+        if padding == "EXPLICIT":
+            before, after = (int(v) for v in explicit_paddings[2 * axis:2 * axis + 2])
+        out = _geometry.pooled_size(size, k, s, padding, before, after)
         if padding == "SAME":
-            out = -(-size // s)
             total = max((out - 1) * s + k - size, 0)
             before, after = total // 2, total - total // 2
-        else:
-            if padding == "EXPLICIT":
-                before, after = (int(v) for v in explicit_paddings[2 * axis:2 * axis + 2])
-            else:
-                before = after = 0
-            out = (size + before + after - k) // s + 1
         if out < 1:
             raise ValueError(
                 f"ksize {list(ksize)} with padding {padding!r} does not fit the input: "
@@ -125,14 +112,13 @@ def unsupported_reason(input_shape, ksize, strides, padding, explicit_paddings, 
     """(kind, text): why the XLA form cannot run these arguments (kind UNKNOWN_SIZE or
     LARGE_WINDOW), or None where it can."""
     shape = tf.TensorShape(input_shape)
-    rows, cols = _spatial_axes(data_format)
-    if shape.rank != 4 or shape[rows] is None or shape[cols] is None:
+    if shape.rank != 4 or None in _geometry.spatial(shape, data_format):
         return UNKNOWN_SIZE, f"an input whose height and width are unknown at trace time ({shape})"
-    dims = pool_geometry((shape[rows], shape[cols]), ksize, strides, padding, explicit_paddings,
-                         data_format)
+    dims = pool_geometry(_geometry.spatial(shape, data_format), ksize, strides, padding,
+                         explicit_paddings, data_format)
     positions = window_positions(dims)
     if positions > MAX_WINDOW_POSITIONS:
-        kh, kw = _spatial(ksize, data_format)
+        kh, kw = (int(v) for v in _geometry.spatial(ksize, data_format))
         return LARGE_WINDOW, (f"a {kh}x{kw} window with {positions} positions over the input "
                               f"(the XLA form unrolls at most {MAX_WINDOW_POSITIONS})")
     return None
@@ -197,7 +183,7 @@ def _forward(z, pool_args, dims, data_format):
     y is stock's own `MaxPool(Relu(z))` (the same HLO, so the same max semantics on every XLA
     backend: XLA's CPU ReduceWindow skips NaNs); the codes come from a scan over the same relu(z)
     with SelectAndScatter's comparison. XLA fuses both into loops over z: relu(z) is not kept."""
-    axes = _spatial_axes(data_format)
+    axes = _geometry.spatial_axes(data_format)
     (_, kh, sh, th, bh, oh), (_, kw, sw, tw, bw, ow) = dims
     r = tf.nn.relu(z)
     y = _stock_max_pool2d(r, *pool_args)
@@ -251,7 +237,7 @@ def _backward(dy, code, dims, data_format):
     stock's ReluGrad output: a reshape from a window-blocked 6-D layout would let XLA reduce over
     six dimensions, in another order of additions."""
     (h, kh, sh, th, _, oh), (w, kw, sw, tw, _, ow) = dims
-    rows, cols = _spatial_axes(data_format)
+    rows, cols = _geometry.spatial_axes(data_format)
     (first_h, last_h), (first_w, last_w) = (window_range(d) for d in dims)
     nw = last_w - first_w + 1
     zero = tf.zeros([], dy.dtype)
@@ -306,8 +292,7 @@ def relu_max_pool2d(z, ksize, strides, padding, explicit_paddings, data_format, 
         if traced is not None:
             return traced.stock_pool(traced.pool_input)
         return stock_relu_max_pool2d(z, ksize, strides, padding, explicit_paddings, data_format)
-    rows, cols = _spatial_axes(data_format)
-    dims = pool_geometry((z.shape[rows], z.shape[cols]), ksize, strides, padding,
+    dims = pool_geometry(_geometry.spatial(z.shape, data_format), ksize, strides, padding,
                          explicit_paddings, data_format)
 
     pool_args = (ksize, strides, padding, explicit_paddings, data_format)

@@ -1,6 +1,8 @@
-"""Three CIFAR-10 models written as a Keras user writes them: stock layers only.
+"""Three CIFAR-10 models written as a Keras user writes them: stock layers only. The example
+(examples/cifar10.py, examples/distributed.py) and the benchmarks (benchmarks/harness.py) train
+them; they live in the package so that both import them as a module.
 
-Nothing here knows about tf_relupool. `tf_relupool.enable_recompute()` alone fuses every
+Nothing here uses tf_relupool. `tf_relupool.enable_recompute()` alone fuses every
 `Conv2D(activation="relu") -> MaxPooling2D` (and `ReLU() -> MaxPooling2D`) pair of these models
 when Keras traces them; `tf_relupool.rewrite_model(model)` turns each pair into one
 `ReluMaxPool2D` layer instead.

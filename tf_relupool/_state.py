@@ -1,0 +1,45 @@
+"""The switch's state, a leaf module (no TensorFlow, no other tf_relupool module): what `keep`
+may be and its one validation, the switch's mode, and the codes of cc/grappler/state.h's `Mode`
+enum that the graph optimizer's C API takes.
+
+tf_relupool.config changes the mode (and tells the routes: the Grappler pass and the trace-time
+fusion under XLA); everything else reads it here.
+"""
+
+#: What the fused op's backward pass keeps from the forward pass.
+KEEP_ARGMAX = "argmax"  # one code per pooled element (1 byte for windows of < 255 positions)
+KEEP_INPUT = "input"    # the pre-ReLU input z, from which the backward recomputes the argmax
+KEEP_CHOICES = (KEEP_ARGMAX, KEEP_INPUT)
+
+#: cc/grappler/state.h's `enum Mode` (kOff, kArgmax, kInput) by the switch's value;
+#: tests/test_config.py checks it against the header.
+MODE_CODES = {None: 0, KEEP_ARGMAX: 1, KEEP_INPUT: 2}
+
+_mode = None  # None (off), KEEP_ARGMAX or KEEP_INPUT; written by config under its lock
+
+
+def check_keep(keep, allow_none=False, allow_bool=False):
+    """`keep` normalized: "argmax" or "input", or None where `allow_none`; with `allow_bool` (the
+    switch's arguments) True means "argmax" and False None. Otherwise ValueError naming the
+    argument and showing the value received."""
+    received = keep
+    if allow_bool and isinstance(keep, bool):
+        keep = KEEP_ARGMAX if keep else None
+    if keep is None and allow_none:
+        return None
+    if isinstance(keep, str) and keep in KEEP_CHOICES:
+        return keep
+    allowed = KEEP_CHOICES + ((None,) if allow_none else ()) + (
+        ((True, False) if allow_none else (True,)) if allow_bool else ())
+    raise ValueError(f"The `keep` argument must be one of {allowed}. Received: keep={received!r}")
+
+
+def mode():
+    """The switch's value: None (off), "argmax" or "input"."""
+    return _mode
+
+
+def set_mode(keep):
+    """Sets the switch's value (already checked; config holds the lock and tells the routes)."""
+    global _mode
+    _mode = keep
