@@ -2,7 +2,7 @@
 
 Not the product feature. A training step (tf.function(jit_compile=True), plain SGD) for
   tiny      conv -> BN -> ReLU -> conv -> BN -> ReLU -> GAP -> dense (the HLO investigation)
-  resnet    examples/models.py's ResNet-style CNN
+  resnet    tf_relupool/_example_models.py's ResNet-style CNN
   resnet50  keras.applications.ResNet50(weights=None)
 run in one fresh subprocess per variant:
   stock           the Keras model called as written
@@ -59,7 +59,6 @@ import time
 import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
 VARIANTS = ("stock", "proto", "proto-select", "proto-nobarrier", "split", "split-select",
             "recompute_grad", "remat", "switch", "proto+switch", "proto-select+switch")
 LR = 0.01
@@ -73,8 +72,7 @@ def build_model(name, size, remat=False):
 
     def make():
         if name == "resnet":
-            sys.path.insert(0, os.path.join(ROOT, "examples"))
-            import models
+            from tf_relupool import _example_models as models
             return models.resnet(input_shape=(size, size, 3))
         if name == "resnet50":
             return keras.applications.ResNet50(weights=None, input_shape=(size, size, 3))
