@@ -234,16 +234,17 @@ def _worker_cmd(args, model, token, batch, limit, steps):
             "--inter-op-threads", str(args.inter_op_threads)]
 
 
-def run_one(args, model, token, batch, limit, steps, timeout, log_name=None):
+def run_one(args, model, token, batch, limit, steps, timeout, log_name=None, runs=None):
     """A trial: --runs fresh worker processes in turn, as a user who runs the same script again.
     Under the switch they share one XLA autotune cache (the switch's own, docs/memory.md), empty
     before the first run, so a later run reuses what the first one autotuned. Its result is the
     last run's, with every run's status, first-step time and failed allocation in "runs"."""
     base, _ = parse_variant(token)
-    cache, runs = None, 1
+    cache, asked = None, runs
+    runs = 1
     if VARIANTS[base]["switch"]:
         cache = tempfile.mkdtemp(prefix="tfrp-autotune-")
-        runs = max(1, getattr(args, "runs", 1))
+        runs = max(1, asked or getattr(args, "runs", 1))
     try:
         history = []
         for i in range(runs):
@@ -372,8 +373,9 @@ def main(argv=None):
                 batch = args.measure_batch.get(model, MEASURE_BATCH[model])
                 for rep in range(args.repeat):
                     for token in args.variants:
+                        # one run (a first run, empty cache): its first step autotunes
                         r = run_one(args, model, token, batch, 0, 2 + max(args.rounds, args.reps),
-                                    args.trial_timeout * 2)
+                                    args.trial_timeout * 2, runs=1)
                         report["measured"].setdefault(model, {}).setdefault(token, []).append(r)
                         if not report["meta"] and "device" in r:
                             report["meta"]["device"] = r["device"]

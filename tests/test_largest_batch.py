@@ -120,6 +120,10 @@ def test_a_switched_trial_runs_again_with_the_cache_of_its_first_run(monkeypatch
     r = lb.run_one(args, "vgg16", "default", 24, 4096, 2, 100)
     assert calls == [("default", None, None)] and "runs" not in r
     assert lb._status_cell(r) == "oom"
+    calls.clear()
+    outcomes = iter([{"batch": 32, "status": "fits"}])
+    r = lb.run_one(args, "vgg16", "default-switch", 32, 0, 5, 100, runs=1)  # a measurement
+    assert len(calls) == 1 and calls[0][1] and "runs" not in r
     assert lb._status_cell({"status": "fits", "runs": [
         {"status": "oom", "failed_bytes": 3154 * 2 ** 20, "first_step_seconds": None},
         {"status": "fits"}]}) == "fits (run 1: oom 3154 MiB)"
