@@ -883,3 +883,54 @@ def test_keras_cnn_under_xla_on_cpu_memory_and_bits(policy):
         assert layer["peak"] <= 0.3 * stock["peak"], (layer["peak"], stock["peak"])
     else:
         assert switch["peak"] < 0.5 * stock["peak"], (switch["peak"], stock["peak"])
+
+
+def _conv_bias_pool_step(with_dz, ksize, stride, padding, conv_stride, n):
+    @tf.function(jit_compile=True)
+    def step(x, w, b, d):
+        with tf.GradientTape() as tape:
+            tape.watch([w, b])
+            z = tf.nn.bias_add(tf.nn.conv2d(x, w, conv_stride, "SAME"), b)
+            if with_dz:
+                tape.watch(z)
+            y = tf.nn.max_pool2d(tf.nn.relu(z), ksize, stride, padding)
+            loss = tf.reduce_sum(tf.reshape(y, (n, -1)) @ d)
+        if with_dz:
+            return [loss] + tape.gradient(loss, [w, b, z])
+        return [loss] + tape.gradient(loss, [w, b])
+    return step
+
+
+@pytest.mark.parametrize("ksize,stride,padding,channels,n,size,conv_stride", [
+    (2, 2, "SAME", 16, 4, 32, 2), (3, 2, "SAME", 16, 4, 32, 2), (3, 2, "VALID", 8, 2, 20, 1),
+    (3, 2, "SAME", 3, 5, 17, 1)])
+def test_bias_gradient_order_follows_xla_fusion(ksize, stride, padding, channels, n, size,
+                                                conv_stride):
+    """docs/xla.md, "What XLA fuses into dz's reduction": under XLA (on the CPU; the GPU in its
+    deterministic mode) the switch gives stock's loss, kernel gradient and dz bit for bit; the
+    conv bias gradient, whose order of additions XLA picks by fusion (stock's own bits change
+    when dz is also an output), is within the rounding of recursive summation of the float64
+    sum of stock's dz ((terms - 1) * eps * sum |dz| per channel)."""
+    rng = np.random.default_rng(1)
+    x = tf.constant(rng.normal(size=(n, size, size, 3)).astype("float32"))
+    w = tf.constant(rng.normal(0, .2, size=(3, 3, 3, channels)).astype("float32"))
+    b = tf.constant(rng.normal(0, .1, size=(channels,)).astype("float32"))
+    conv = -(-size // conv_stride)
+    pooled = -(-conv // stride) if padding == "SAME" else (conv - ksize) // stride + 1
+    d = tf.constant(rng.normal(0, .1, size=(pooled * pooled * channels, 10)).astype("float32"))
+    args = (ksize, stride, padding, conv_stride, n)
+    stock, stock_dz = (_conv_bias_pool_step(v, *args)(x, w, b, d) for v in (False, True))
+    before = keras_fusion.stats()["fused"]
+    with tf_relupool.recompute():
+        switch, switch_dz = (_conv_bias_pool_step(v, *args)(x, w, b, d) for v in (False, True))
+    assert keras_fusion.stats()["fused"] == before + 2  # both traces fused the pair
+    for got, want, name in [(switch[0], stock[0], "loss"), (switch[1], stock[1], "kernel"),
+                            (switch_dz[0], stock_dz[0], "loss"),
+                            (switch_dz[1], stock_dz[1], "kernel"),
+                            (switch_dz[3], stock_dz[3], "dz")]:
+        assert_bitwise_equal(got, want, name)
+    dz = stock_dz[3].numpy().astype(np.float64).reshape(-1, channels)
+    exact = dz.sum(axis=0)
+    bound = (dz.shape[0] - 1) * np.finfo(np.float32).eps * np.abs(dz).sum(axis=0)
+    for db in (switch[2], switch_dz[2], stock[2], stock_dz[2]):
+        assert (np.abs(db.numpy().astype(np.float64) - exact) <= bound).all()
