@@ -40,7 +40,8 @@ _state = {"state": "not installed", "directory": None, "flags": []}
 
 
 def _tf_version():
-    """TensorFlow's installed version as a tuple, without importing it (None if unknown)."""
+    """((major, minor), version text) of the installed TensorFlow, without importing it (None if
+    unknown)."""
     tf = sys.modules.get("tensorflow")
     text = getattr(tf, "__version__", None)
     if text is None:
