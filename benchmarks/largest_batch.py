@@ -84,8 +84,8 @@ LEVERS = {
     "atcache": {"XLA_FLAGS": "--xla_gpu_experimental_autotuner_cache_dir=/tmp/tfrp_autotune "
                              "--xla_gpu_per_fusion_autotune_cache_dir=/tmp/tfrp_autotune"},
     "async": {"TF_GPU_ALLOCATOR": "cuda_malloc_async"},
-    # A physically smaller GPU (occupy_gpu): 4096 MiB free, so that BFC's pool is about 4 GiB
-    # after TensorFlow's reserve; trials with it must run alone on the GPU.
+    # A physically smaller GPU (occupy_gpu): 4400 / 2300 MiB free, so that BFC's pool is about
+    # 4 / 2 GiB after TensorFlow's reserve; trials with it must run alone on the GPU.
     "free4g": {"TFRP_GPU_FREE_MIB": "4400"},
     "free2g": {"TFRP_GPU_FREE_MIB": "2300"},
 }
@@ -240,11 +240,8 @@ def run_one(args, model, token, batch, limit, steps, timeout, log_name=None, run
     before the first run, so a later run reuses what the first one autotuned. Its result is the
     last run's, with every run's status, first-step time and failed allocation in "runs"."""
     base, _ = parse_variant(token)
-    cache, asked = None, runs
-    runs = 1
-    if VARIANTS[base]["switch"]:
-        cache = tempfile.mkdtemp(prefix="tfrp-autotune-")
-        runs = max(1, asked or getattr(args, "runs", 1))
+    cache = tempfile.mkdtemp(prefix="tfrp-autotune-") if VARIANTS[base]["switch"] else None
+    runs = max(1, runs or args.runs) if cache else 1
     try:
         history = []
         for i in range(runs):
