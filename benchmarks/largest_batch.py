@@ -76,7 +76,13 @@ LEVERS = {
     "slop3": {"XLA_FLAGS": "--xla_gpu_memory_limit_slop_factor=3"},
     "slop2": {"XLA_FLAGS": "--xla_gpu_memory_limit_slop_factor=2"},
     "nolhs": {"XLA_FLAGS": "--xla_gpu_enable_analytical_sol_latency_estimator=false"},
+    # XLA's temp buffer in several heaps of about this size instead of one block (fragmentation).
     "heap256": {"XLA_FLAGS": "--xla_multiheap_size_constraint_per_heap=268435456"},
+    "heap512": {"XLA_FLAGS": "--xla_multiheap_size_constraint_per_heap=536870912"},
+    "heap1g": {"XLA_FLAGS": "--xla_multiheap_size_constraint_per_heap=1073741824"},
+    # The BFC allocator fails at once instead of waiting up to 10 s for memory to be freed
+    # (GPUOptions.experimental.disallow_retry_on_allocation_failure, set by the worker).
+    "noretry": {"TFRP_NO_ALLOC_RETRY": "1"},
     "notriton": {"XLA_FLAGS": "--xla_gpu_enable_triton_gemm=false"},
     "determinism": {"TF_DETERMINISTIC_OPS": "1"},
     # XLA's persistent autotune results (the directory must exist): a run that finds them does
@@ -172,6 +178,21 @@ def occupy_gpu(free_mib):
     return int(free.value // MIB), int(ballast // MIB)
 
 
+def _disallow_allocation_retry():
+    """The lever noretry: TensorFlow's GPU allocator gives up at once when a request does not
+    fit, instead of waiting up to 10 s for other work to free memory. TensorFlow has no public
+    setter for GPUOptions.experimental.disallow_retry_on_allocation_failure; a study lever sets
+    it where the eager context builds its GPU options."""
+    from tensorflow.python.eager import context
+    build = context.Context._compute_gpu_options
+
+    def compute(self):
+        options = build(self)
+        options.experimental.disallow_retry_on_allocation_failure = True
+        return options
+    context.Context._compute_gpu_options = compute
+
+
 def worker(args):
     base, _ = parse_variant(args.variant)
     free = int(os.environ.get("TFRP_GPU_FREE_MIB") or 0)
@@ -184,6 +205,8 @@ def worker(args):
         devices.prepare_environment(memory_limit_mib=limit)
         from tf_relupool import autotune_cache
         cache = autotune_cache.install(args.autotune_cache)
+    if os.environ.get("TFRP_NO_ALLOC_RETRY"):
+        _disallow_allocation_retry()
     tf, dev = start_tensorflow(args.device, memory_limit_mib=limit,
                                inter_op_threads=args.inter_op_threads)
     meter = devices.StepMemory(tf, dev)

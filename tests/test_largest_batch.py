@@ -171,3 +171,16 @@ def test_conv_scratch_of_an_hlo_line(tmp_path):
         'custom_call_target="__cudnn$convForward"\n'
         '  %fusion = f32[4]{0} fusion(f32[4]{0} %a), kind=kLoop\n')
     assert xb.conv_scratch(str(hlo)) == [("%cudnn-conv.1", "__cudnn$convForward", 19267584)]
+
+
+def test_the_noretry_lever_turns_off_the_allocators_retry(monkeypatch):
+    from tensorflow.python.eager import context
+    monkeypatch.setattr(context.Context, "_compute_gpu_options",
+                        context.Context._compute_gpu_options)
+    before = context.context()._compute_gpu_options()
+    assert not before.experimental.disallow_retry_on_allocation_failure
+    assert lb.lever_env(["noretry"], base={})["TFRP_NO_ALLOC_RETRY"] == "1"
+    lb._disallow_allocation_retry()
+    after = context.context()._compute_gpu_options()
+    assert after.experimental.disallow_retry_on_allocation_failure
+    assert "multiheap_size_constraint_per_heap=536870912" in lb.variant_label("default+heap512")
