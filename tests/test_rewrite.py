@@ -438,18 +438,18 @@ def test_rewrite_graph_pad_refusals_are_logged(caplog):
 
 
 def test_rewrite_graph_rejects_bytes_that_are_no_graph():
-    from tf_relupool import grappler
+    from tf_relupool import _clib
     with pytest.raises(RuntimeError, match="could not parse"):
-        grappler.rewrite_serialized_graph(b"\xff\xff\xff\xff not a GraphDef", "argmax")
-    fused, data, lines = grappler.rewrite_serialized_graph(b"", "input")  # the empty graph
+        _clib.rewrite_serialized_graph(b"\xff\xff\xff\xff not a GraphDef", "argmax")
+    fused, data, lines = _clib.rewrite_serialized_graph(b"", "input")  # the empty graph
     assert (fused, data, lines) == (0, None, [])
 
 
 def test_rewrite_graph_preserve_list_keeps_nodes():
-    from tf_relupool import grappler
+    from tf_relupool import _clib
     gd = conv_pool_step(2, 2, "VALID").graph.as_graph_def()
-    fused, data, lines = grappler.rewrite_serialized_graph(gd.SerializeToString(), "argmax",
-                                                           preserve=["Relu"])
+    fused, data, lines = _clib.rewrite_serialized_graph(gd.SerializeToString(), "argmax",
+                                                        preserve=["Relu"])
     assert fused == 0 and data is None
     assert any("the Relu must be preserved" in line for line in lines), lines
 
