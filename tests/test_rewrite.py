@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 import tf_relupool
 from tf_relupool import ReluMaxPool2D
 
-from conftest import assert_bitwise_equal
+from conftest import assert_bitwise_equal, forward_and_input_grad
 from grappler_cases import PAD_STEP
 
 L = keras.layers
@@ -498,14 +498,9 @@ def test_rewrite_model_resnet50_stem_bitwise_with_gradients():
     x = tf.random.stateless_normal([2, 32, 32, 3], seed=[1, 2])
 
     def run(m):
-        @tf.function(jit_compile=False)
-        def f(x):
-            with tf.GradientTape() as tape:
-                tape.watch(x)
-                y = m(x, training=True)
-                loss = tf.reduce_sum(y * y)
-            return y, tape.gradient(loss, x)
-        return f(x)
+        step = forward_and_input_grad(lambda x: m(x, training=True),
+                                      loss=lambda y: tf.reduce_sum(y * y))
+        return tf.function(step, jit_compile=False)(x)
     want = run(model)
     with tf_relupool.recompute():
         got = run(new)

@@ -20,7 +20,8 @@ from hypothesis import strategies as st
 
 import tf_relupool
 from tf_relupool import _versions, gradient_sources, keras_fusion, xla
-from conftest import DTYPES, GPU_VISIBLE, assert_bitwise_equal, forward_and_input_grad, xla_hlo
+from conftest import (DTYPES, GPU_VISIBLE, assert_bitwise_equal, derivatives,
+                      forward_and_input_grad, xla_hlo)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -52,13 +53,7 @@ def _value_and_grads(fn, z, dy, v, jit_compile=True):
     """fn(z), d<fn(z), dy>/dz and the second-order d<dz, v>/d(dy): in one XLA function, or
     eagerly (jit_compile=None)."""
     def run(z, dy, v):
-        with tf.GradientTape() as outer:
-            outer.watch(dy)
-            with tf.GradientTape() as inner:
-                inner.watch(z)
-                y = fn(z)
-            dz = inner.gradient(y, z, output_gradients=dy)
-        return y, dz, outer.gradient(dz, dy, output_gradients=v)
+        return derivatives(fn, z, dy, v)
     return (run if jit_compile is None else tf.function(run, jit_compile=True))(z, dy, v)
 
 
