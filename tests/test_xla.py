@@ -182,7 +182,7 @@ def test_bitwise_equal_to_definition_and_to_stock_under_xla(n, h, w, c, k, s, pa
     y, dz, ddy = _value_and_grads(fused, z, dy, v)
     y_stock, dz_stock = _value_and_grad(stock, z, dy)
     assert_bitwise_equal(y, y_stock, f"forward {where}")
-    if not GPU_VISIBLE:   # (XLA's GPU backend: gpu_check/xla_bitwise.py)
+    if not GPU_VISIBLE:   # (XLA's GPU backend: benchmarks/xla_bitwise.py)
         y_ref, has_nan = _forward_reference(z, k, s, padding, data_format)
         y_np = y.numpy()
         y_ref[has_nan & np.isnan(y_np)] = np.nan   # NaN, or the NaN-skipping maximum, there
