@@ -276,7 +276,7 @@ def print_results(results, prefix):
 
 def train_multi_worker(tf, strategy, args, variant, dev):
     import keras
-    from tf_relupool import run_metadata
+    from tf_relupool import grappler, run_metadata
 
     set_switch(variant, args.keep)
     global_batch = args.global_batch_size
