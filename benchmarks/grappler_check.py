@@ -3,7 +3,7 @@
 Runs one raw tf.function training step (conv -> tf.nn.relu -> tf.nn.max_pool2d, twice, then a
 dense head; GradientTape; SGD update) with the switch off and on, from the same weights and
 data, and prints:
-  - the op types of the graph TensorFlow actually ran (tf_relupool.grappler.executed_ops: the
+  - the op types of the graph TensorFlow actually ran (tf_relupool.run_metadata.executed_ops: the
     partition graphs of RunMetadata, from context.enable_graph_collection()),
   - the pass's own counters (tf_relupool.grappler.stats()),
   - whether loss, gradients and updated weights are bitwise equal,
@@ -23,7 +23,7 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import tf_relupool  # noqa: E402
-from tf_relupool import grappler  # noqa: E402
+from tf_relupool import grappler, run_metadata  # noqa: E402
 
 FUSED_OPS = {"ReluMaxPool", "ReluMaxPoolGrad", "ReluMaxPoolWithWindowArgmax",
              "ReluMaxPoolGradFromWindowArgmax"}
@@ -109,7 +109,7 @@ def run(keep, model, batch, repeats, device="CPU"):
         initial = [w.numpy() for w in weights]
         # First call: trace, optimize (the pass), run. What the executor ran: after Grappler
         # and the later passes, e.g. oneDNN's rewrite of _FusedConv2D to _MklNativeFusedConv2D.
-        _, types = grappler.executed_ops(fn, *args)
+        _, types = run_metadata.executed_ops(fn, *args)
         st = grappler.stats()
         for w, w0 in zip(weights, initial):  # same start for the measured step
             w.assign(w0)

@@ -14,7 +14,7 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import tf_relupool  # noqa: E402
-from tf_relupool import grappler  # noqa: E402
+from tf_relupool import grappler, run_metadata  # noqa: E402
 
 import harness  # noqa: E402  (beside this script: the models and variants of gpu_memory.py)
 
@@ -22,7 +22,7 @@ import harness  # noqa: E402  (beside this script: the models and variants of gp
 def ops_of(fn, *args):
     """fn's result and the pooling, ReLU, Transpose and convolution ops TensorFlow executed
     for it: {op@device (/data_format): count}."""
-    out, nodes = grappler.executed_nodes(fn, *args)
+    out, nodes = run_metadata.executed_nodes(fn, *args)
     ops = {}
     for n in nodes:
         if "Pool" in n.op or "Relu" in n.op or "Transpose" in n.op or "Conv" in n.op:
@@ -131,7 +131,7 @@ def models_section(model_names=("simple", "vgg"), policies=("float32", "mixed_bf
                 else:
                     tf_relupool.disable_recompute()
                 grappler.reset_stats()
-                first, nodes = grappler.executed_nodes(m.train_on_batch, x, y)
+                first, nodes = run_metadata.executed_nodes(m.train_on_batch, x, y)
                 losses = [float(first)]
                 losses += [float(m.train_on_batch(x, y)) for _ in range(steps - 1)]
                 tf_relupool.disable_recompute()

@@ -118,7 +118,7 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--record-ops", action="store_true",
                    help="record the pooling ops TensorFlow executed in fit (JSON: "
-                        "executed_pool_ops; tf_relupool.grappler.executed_ops)")
+                        "executed_pool_ops; tf_relupool.run_metadata.executed_ops)")
     p.add_argument("--deterministic", action="store_true",
                    help="tf.config.experimental.enable_op_determinism() (bitwise-repeatable)")
     p.add_argument("--inter-op-threads", type=int, default=1,
@@ -259,8 +259,8 @@ def train_one(args, mode, tf, dev):
                verbose=args.verbose)
     executed = None
     if args.record_ops:   # the pooling ops the training steps executed (partition graphs)
-        from tf_relupool import grappler
-        _, ops = grappler.executed_ops(model.fit, train, **fit)
+        from tf_relupool import run_metadata
+        _, ops = run_metadata.executed_ops(model.fit, train, **fit)
         executed = {k: v for k, v in sorted(ops.items()) if "Pool" in k}
     else:
         model.fit(train, **fit)

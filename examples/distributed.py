@@ -31,7 +31,7 @@ another in the same processes. Per variant each worker prints its global step lo
 all replicas: the same on every worker), a digest of the final weights, the median peak memory of
 a step on each replica's allocator (above resident; the CPU's needs TF_CPU_ALLOCATOR_USE_BFC=true,
 which this script sets; logical CPUs share one) and the pooling, ReLU and convolution ops
-TensorFlow executed (`tf_relupool.grappler.executed_nodes`), and which forward tensors the pooling
+TensorFlow executed (`tf_relupool.run_metadata.executed_nodes`), and which forward tensors the pooling
 backward ops read. `--json FILE` writes the same as JSON
 ({task} in FILE becomes the worker's index); --deterministic turns TensorFlow's op determinism on.
 
@@ -276,7 +276,7 @@ def print_results(results, prefix):
 
 def train_multi_worker(tf, strategy, args, variant, dev):
     import keras
-    from tf_relupool import grappler
+    from tf_relupool import grappler, run_metadata
 
     set_switch(variant, args.keep)
     global_batch = args.global_batch_size
@@ -317,7 +317,7 @@ def train_multi_worker(tf, strategy, args, variant, dev):
         meter.begin()
         t = time.perf_counter()
         if step == 0:   # the first step: record the ops TensorFlow executed
-            loss, nodes = grappler.executed_nodes(train_step, iterator)
+            loss, nodes = run_metadata.executed_nodes(train_step, iterator)
         else:
             loss = train_step(iterator)
         losses.append(float(loss))
@@ -384,7 +384,7 @@ def mirrored_devices(tf, args):
 
 def train_mirrored(tf, strategy, allocators, args, variant):
     import keras
-    from tf_relupool import grappler
+    from tf_relupool import grappler, run_metadata
 
     set_switch(variant, args.keep)
     with strategy.scope():
@@ -412,8 +412,8 @@ def train_mirrored(tf, strategy, allocators, args, variant):
 
     cb = keras.callbacks.LambdaCallback(on_train_batch_begin=begin, on_train_batch_end=end)
     grappler.reset_stats()
-    _, nodes = grappler.executed_nodes(model.fit, ds, epochs=1, steps_per_epoch=args.steps,
-                                   verbose=0, callbacks=[cb])
+    _, nodes = run_metadata.executed_nodes(model.fit, ds, epochs=1, steps_per_epoch=args.steps,
+                                       verbose=0, callbacks=[cb])
     set_switch("off", args.keep)
     # the losses are what Keras logs after each step: the running mean over the epoch
     out = summary(losses, model.get_weights(), peaks, nodes, seconds)

@@ -284,11 +284,36 @@ def xla_hlo(fn, *args):
     return hlo
 
 
-def forward_and_input_grad(fn):
-    """A function of z: (fn(z), d<fn(z), 1>/dz), for compiling both directions."""
+def forward_and_input_grad(fn, loss=None):
+    """A function of z: (fn(z), d<fn(z), 1>/dz), or with `loss` (fn(z), d loss(fn(z))/dz), for
+    compiling both directions."""
     def step(z):
         with tf.GradientTape() as tape:
             tape.watch(z)
             y = fn(z)
-        return y, tape.gradient(y, z, output_gradients=tf.ones_like(y))
+            target = y if loss is None else loss(y)
+        return y, tape.gradient(target, z, output_gradients=tf.ones_like(target))
     return step
+
+
+def gradient_ops(fn, z, op_type):
+    """The ops of type `op_type` in the graph of tf.function(forward_and_input_grad(fn)) at z."""
+    graph = tf.function(forward_and_input_grad(fn)).get_concrete_function(z).graph
+    return [op for op in graph.get_operations() if op.type == op_type]
+
+
+def derivatives(f, z, dy, ddz, g=None):
+    """y = f(z); dz = J^T dy; ddy = d<dz, ddz>/d dy (second order); with `g`, also
+    dddz = d<ddy, g>/d ddz (third order)."""
+    with tf.GradientTape() as t3:
+        t3.watch(ddz)
+        with tf.GradientTape() as t2:
+            t2.watch(dy)
+            with tf.GradientTape() as t1:
+                t1.watch(z)
+                y = f(z)
+            dz = t1.gradient(y, z, output_gradients=dy)
+        ddy = t2.gradient(dz, dy, output_gradients=ddz)
+    if g is None:
+        return y, dz, ddy
+    return y, dz, ddy, t3.gradient(ddy, ddz, output_gradients=g)

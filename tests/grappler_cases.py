@@ -1,7 +1,7 @@
 """What the Grappler tests share: each case runs in a fresh subprocess (the optimizer is registered
 once per process and reads the switch when TensorFlow optimizes a function, its first call), with
 PRELUDE's helpers: a small conv + ReLU + pool training step, bitwise comparison, the switch off
-then on, the ops Grappler left (`tf_relupool.grappler.optimized_nodes`).
+then on, the ops Grappler left (`tf_relupool.run_metadata.optimized_nodes`).
 
 Imported by test_grappler.py (the plugin), test_fuse_relu_max_pool.py (the patterns),
 test_fold_transposes.py (the layout pass) and test_patterns.py (the pattern table).
@@ -30,7 +30,7 @@ PRELUDE = textwrap.dedent("""
     import numpy as np
     import tensorflow as tf
     import tf_relupool
-    from tf_relupool import grappler
+    from tf_relupool import _clib, grappler, run_metadata
     tf.config.threading.set_inter_op_parallelism_threads(1)
     if tf.config.list_physical_devices("GPU"):
         # Stock GPU training is not bitwise reproducible from run to run (cuDNN autotuning,
@@ -82,7 +82,7 @@ PRELUDE = textwrap.dedent("""
         same = all(bits_equal(a, b) for a, b in zip(tf.nest.flatten(off), tf.nest.flatten(on)))
         return same, off_ops, on_ops, st
 
-    ran_nodes = grappler.optimized_nodes  # fn's outputs, the nodes of its graphs after Grappler
+    ran_nodes = run_metadata.optimized_nodes  # fn's outputs, the nodes of its graphs after Grappler
 
     def ran_ops(fn, *args):
         out, nodes = ran_nodes(fn, *args)

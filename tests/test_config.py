@@ -9,7 +9,7 @@ import pytest
 import tensorflow as tf
 
 import tf_relupool
-from tf_relupool import _state, config, grappler
+from tf_relupool import _clib, _state, config, grappler
 from conftest import forward_and_input_grad, xla_hlo
 
 
@@ -158,7 +158,7 @@ def test_switch_is_seen_by_other_threads():
 
 def test_python_copies_of_state_h_enums():
     """_state.MODE_CODES is cc/grappler/state.h's `enum Mode`, which the C API takes, and
-    grappler.STAT_NAMES has one name per entry of its `enum Stat`, in order."""
+    _clib.STAT_NAMES has one name per entry of its `enum Stat`, in order."""
     header = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                           "cc", "grappler", "state.h")
     if not os.path.exists(header):
@@ -174,7 +174,7 @@ def test_python_copies_of_state_h_enums():
     stats = [item.split("=")[0].strip() for item in
              re.search(r"enum Stat : int \{([^}]*)\}", text).group(1).split(",")]
     assert stats[0] == "kCalls" and stats[-1] == "kNumStats"
-    assert len(stats) - 1 == len(grappler.STAT_NAMES)
+    assert len(stats) - 1 == len(_clib.STAT_NAMES)
     # the same words (Python's "calls_switch_off" is kCallsOff)
     assert [s.lower() for s in stats[:-1]] == [
-        "k" + n.replace("_switch_off", "_off").replace("_", "") for n in grappler.STAT_NAMES]
+        "k" + n.replace("_switch_off", "_off").replace("_", "") for n in _clib.STAT_NAMES]

@@ -5,7 +5,7 @@ Everything runs examples/distributed.py (the script users copy) in fresh process
 logical devices and op determinism are process-wide. Each run trains the stock model with the
 switch off, the same model with `enable_recompute()`, and `rewrite_model`'s ReluMaxPool2D layers,
 from the same initial weights on the same batches, in the same processes. What TensorFlow executed
-is read from the partition graphs of the first step (`tf_relupool.grappler.executed_ops`).
+is read from the partition graphs of the first step (`tf_relupool.run_metadata.executed_ops`).
 """
 import importlib.util
 import json
@@ -60,7 +60,7 @@ def _check_variants(variants, keep, local_replicas=1):
     convolution backward's 12-17 MiB scratch buffers overlap the pool backward. With one
     inter-op thread the ranges still overlap (stock 74-92, argmax 50-81). Comparing the
     medians is how this test (then ..._bitwise_fused_and_leaner[argmax]) failed at random
-    (issue 29; docs/distribute.md has the figures). The saving measured in one process, with
+    (docs/distribute.md has the figures). The saving measured in one process, with
     its spread, is docs/memory.md's."""
     fwd = {"argmax": "ReluMaxPoolWithWindowArgmax", "input": "ReluMaxPool"}[keep]
     bwd = {"argmax": "ReluMaxPoolGradFromWindowArgmax", "input": "ReluMaxPoolGrad"}[keep]

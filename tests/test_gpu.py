@@ -12,7 +12,7 @@ import tensorflow as tf
 from hypothesis import given
 
 import tf_relupool
-from conftest import assert_bitwise_equal, pool_cases
+from conftest import assert_bitwise_equal, gradient_ops, pool_cases
 
 pytestmark = pytest.mark.skipif(not tf.config.list_physical_devices("GPU"),
                                 reason="no GPU visible to TensorFlow")
@@ -100,16 +100,8 @@ def test_invalid_codes_on_the_gpu(op, validate):
 def test_registered_gradient_skips_the_host_round_trip():
     """The gradient graph reads codes straight from the fused forward: no validation report."""
     z = tf.random.normal([2, 8, 8, 4])
-
-    @tf.function
-    def step(x):
-        with tf.GradientTape() as tape:
-            tape.watch(x)
-            y = tf_relupool.relu_max_pool2d(x, 2, 2, "VALID")
-        return tape.gradient(y, x)
-
-    graph = step.get_concrete_function(z).graph
-    grads = [op for op in graph.get_operations() if op.type == "ReluMaxPoolGradFromWindowArgmax"]
+    grads = gradient_ops(lambda x: tf_relupool.relu_max_pool2d(x, 2, 2, "VALID"), z,
+                         "ReluMaxPoolGradFromWindowArgmax")
     assert grads and not any(op.get_attr("validate_window_argmax") for op in grads)
 
 

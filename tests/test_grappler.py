@@ -71,7 +71,7 @@ def test_switch_from_environment_and_unknown_batch():
 def test_error_inside_the_pass_leaves_the_function_working():
     r = run_case("""
         tf_relupool.enable_recompute()
-        grappler._lib.tf_relupool_grappler_inject_fault(1)  # throw inside the pass
+        _clib.handle().tf_relupool_grappler_inject_fault(1)  # throw inside the pass
         w, x = make()
         out, ops = ran_ops(tf.function(train_step_fn(w)), x)
         print(json.dumps(dict(ops=ops, stats=grappler.stats())))

@@ -18,8 +18,8 @@ import tensorflow as tf
 from hypothesis import given, settings
 
 import tf_relupool
-from conftest import (DTYPES, _spatial_pair, assert_bitwise_equal, from_nhwc, nhwc_padding,
-                      pool_cases, to_nhwc, window_grid)
+from conftest import (DTYPES, _spatial_pair, assert_bitwise_equal, derivatives, from_nhwc,
+                      nhwc_padding, pool_cases, to_nhwc, window_grid)
 
 KEEPS = ["argmax", "input"]
 
@@ -46,21 +46,6 @@ def _stock_fn(ksize, strides, padding, data_format):
 
 def _fused_fn(ksize, strides, padding, data_format, keep):
     return lambda z: tf_relupool.relu_max_pool2d(z, ksize, strides, padding, data_format, keep=keep)
-
-
-def _derivatives(f, z, dy, ddz, g):
-    """dz = J^T dy; ddy = d<dz, ddz>/d dy (second order); dddz = d<ddy, g>/d ddz (third order)."""
-    with tf.GradientTape() as t3:
-        t3.watch(ddz)
-        with tf.GradientTape() as t2:
-            t2.watch(dy)
-            with tf.GradientTape() as t1:
-                t1.watch(z)
-                y = f(z)
-            dz = t1.gradient(y, z, output_gradients=dy)
-        ddy = t2.gradient(dz, dy, output_gradients=ddz)
-    dddz = t3.gradient(ddy, ddz, output_gradients=g)
-    return y, dz, ddy, dddz
 
 
 def _window_has_nan(z, ksize, strides, padding, data_format):
@@ -133,7 +118,7 @@ def _check_case(case, keep):
         assert y_shape[rows] == 0 or y_shape[cols] == 0, y_shape
         dy, g = tf.zeros(y_shape, dtype), tf.zeros(y_shape, dtype)
         ddz = tf.constant(rng.normal(size=z.shape), dtype)
-        _, _, ddy_f, dddz_f = _derivatives(_fused_fn(*args, keep), z, dy, ddz, g)
+        _, _, ddy_f, dddz_f = derivatives(_fused_fn(*args, keep), z, dy, ddz, g)
         assert ddy_f.dtype == dtype and ddy_f.shape == y_shape, (ddy_f.shape, y_shape)
         assert_bitwise_equal(dddz_f, tf.zeros_like(z), "third order, no window")
         return
@@ -142,8 +127,8 @@ def _check_case(case, keep):
     ddz = tf.constant(rng.integers(-3, 4, size=z.shape) + rng.normal(size=z.shape) * 0.5, dtype)
     g = tf.constant(rng.normal(size=y_shape), dtype)
     with tf.device("/CPU:0"):  # stock's CPU kernels are the definition (see conftest)
-        _, _, ddy_s, dddz_s = _derivatives(_stock_fn(*args), z, dy, ddz, g)
-    _, _, ddy_f, dddz_f = _derivatives(_fused_fn(*args, keep), z, dy, ddz, g)
+        _, _, ddy_s, dddz_s = derivatives(_stock_fn(*args), z, dy, ddz, g)
+    _, _, ddy_f, dddz_f = derivatives(_fused_fn(*args, keep), z, dy, ddz, g)
     assert ddy_f.dtype == dtype and ddy_f.shape == y_shape
     nan_window = _window_has_nan(z, *args)
     expected = np.where(nan_window, tf.cast(_definition_grad_grad(z, ddz, *args), dtype).numpy(),
@@ -173,10 +158,10 @@ def test_nan_windows_follow_the_definition_not_stock():
     dy = tf.ones([1, 1, 1, 1])
     ddz = tf.constant([[5.0, 7.0], [11.0, 13.0]])[None, :, :, None]
     g = tf.ones([1, 1, 1, 1])
-    _, _, ddy_s, _ = _derivatives(_stock_fn(2, 2, "VALID", "NHWC"), z, dy, ddz, g)
+    _, _, ddy_s, _ = derivatives(_stock_fn(2, 2, "VALID", "NHWC"), z, dy, ddz, g)
     assert ddy_s.numpy().ravel().tolist() == [7.0]  # stock: ddz at the maximum, 2.0
     for keep in KEEPS:
-        _, dz, ddy, _ = _derivatives(_fused_fn(2, 2, "VALID", "NHWC", keep), z, dy, ddz, g)
+        _, dz, ddy, _ = derivatives(_fused_fn(2, 2, "VALID", "NHWC", keep), z, dy, ddz, g)
         assert ddy.numpy().ravel().tolist() == [0.0]  # ddz[first] * 0
         assert not np.any(dz.numpy())  # first order: routed to the NaN, times zero (as stock)
 

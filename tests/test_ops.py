@@ -6,9 +6,9 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 import tf_relupool
-from conftest import (DTYPES, all_nan_windows, assert_bitwise_equal, bits, nhwc_padding,
-                      fused_forward_and_grad, make_dy, pool_cases, stock_forward_and_grad,
-                      to_nhwc)
+from conftest import (DTYPES, all_nan_windows, assert_bitwise_equal, bits, forward_and_input_grad,
+                      fused_forward_and_grad, gradient_ops, make_dy, nhwc_padding, pool_cases,
+                      stock_forward_and_grad, to_nhwc)
 
 
 def _spatial(value, data_format):
@@ -285,16 +285,11 @@ def test_negative_zero_follows_std_max(dtype):
 def test_gradient_op_inherits_the_implementation_attribute():
     z = tf.random.normal([1, 4, 4, 2])
 
-    @tf.function
-    def f(x):
-        with tf.GradientTape() as tape:
-            tape.watch(x)
-            y = tf_relupool.relu_max_pool2d(x, 2, 2, "VALID", keep="input", implementation="cudnn")
-        return tape.gradient(y, x)
+    def fused(x):
+        return tf_relupool.relu_max_pool2d(x, 2, 2, "VALID", keep="input", implementation="cudnn")
 
-    graph = f.get_concrete_function(z).graph
-    grads = [op for op in graph.get_operations() if op.type == "ReluMaxPoolGrad"]
+    grads = gradient_ops(fused, z, "ReluMaxPoolGrad")
     assert grads and all(op.get_attr("implementation") == b"cudnn" for op in grads)
     # On CPU the attribute changes nothing.
-    assert_bitwise_equal(f(z), stock_forward_and_grad(z, tf.ones([1, 2, 2, 2]), 2, 2, "VALID",
-                                                      "NHWC")[1], "gradient")
+    stock_grad = stock_forward_and_grad(z, tf.ones([1, 2, 2, 2]), 2, 2, "VALID", "NHWC")[1]
+    assert_bitwise_equal(tf.function(forward_and_input_grad(fused))(z)[1], stock_grad, "gradient")

@@ -178,7 +178,7 @@ def test_trace_patterns_in_python_are_the_librarys():
 def test_xla_route_needs_no_op_library(monkeypatch, caplog):
     """With the op library's table and loader failing, the switch still fuses Keras' pooling
     under XLA, bitwise, without trying to load the library (not once per traced pool either)."""
-    from tf_relupool import _loader, grappler
+    from tf_relupool import _clib, _loader
     calls = []
 
     def broken(*args):
@@ -186,7 +186,7 @@ def test_xla_route_needs_no_op_library(monkeypatch, caplog):
         raise _loader.OpLibraryError("no library")
     monkeypatch.setattr(patterns, "table", broken)
     monkeypatch.setattr(_loader, "load_library", broken)
-    monkeypatch.setattr(grappler, "_c_library", broken)
+    monkeypatch.setattr(_clib, "handle", broken)
 
     def make():
         @tf.function(jit_compile=True)

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 import tf_relupool
 from tf_relupool import ReluMaxPool2D
 
-from conftest import assert_bitwise_equal
+from conftest import assert_bitwise_equal, forward_and_input_grad
 from grappler_cases import PAD_STEP
 
 L = keras.layers
@@ -438,18 +438,18 @@ def test_rewrite_graph_pad_refusals_are_logged(caplog):
 
 
 def test_rewrite_graph_rejects_bytes_that_are_no_graph():
-    from tf_relupool import grappler
+    from tf_relupool import _clib
     with pytest.raises(RuntimeError, match="could not parse"):
-        grappler.rewrite_serialized_graph(b"\xff\xff\xff\xff not a GraphDef", "argmax")
-    fused, data, lines = grappler.rewrite_serialized_graph(b"", "input")  # the empty graph
+        _clib.rewrite_serialized_graph(b"\xff\xff\xff\xff not a GraphDef", "argmax")
+    fused, data, lines = _clib.rewrite_serialized_graph(b"", "input")  # the empty graph
     assert (fused, data, lines) == (0, None, [])
 
 
 def test_rewrite_graph_preserve_list_keeps_nodes():
-    from tf_relupool import grappler
+    from tf_relupool import _clib
     gd = conv_pool_step(2, 2, "VALID").graph.as_graph_def()
-    fused, data, lines = grappler.rewrite_serialized_graph(gd.SerializeToString(), "argmax",
-                                                           preserve=["Relu"])
+    fused, data, lines = _clib.rewrite_serialized_graph(gd.SerializeToString(), "argmax",
+                                                        preserve=["Relu"])
     assert fused == 0 and data is None
     assert any("the Relu must be preserved" in line for line in lines), lines
 
@@ -498,14 +498,9 @@ def test_rewrite_model_resnet50_stem_bitwise_with_gradients():
     x = tf.random.stateless_normal([2, 32, 32, 3], seed=[1, 2])
 
     def run(m):
-        @tf.function(jit_compile=False)
-        def f(x):
-            with tf.GradientTape() as tape:
-                tape.watch(x)
-                y = m(x, training=True)
-                loss = tf.reduce_sum(y * y)
-            return y, tape.gradient(loss, x)
-        return f(x)
+        step = forward_and_input_grad(lambda x: m(x, training=True),
+                                      loss=lambda y: tf.reduce_sum(y * y))
+        return tf.function(step, jit_compile=False)(x)
     want = run(model)
     with tf_relupool.recompute():
         got = run(new)

@@ -20,7 +20,8 @@ from hypothesis import strategies as st
 
 import tf_relupool
 from tf_relupool import _versions, gradient_sources, keras_fusion, xla
-from conftest import DTYPES, GPU_VISIBLE, assert_bitwise_equal, forward_and_input_grad, xla_hlo
+from conftest import (DTYPES, GPU_VISIBLE, assert_bitwise_equal, derivatives,
+                      forward_and_input_grad, xla_hlo)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -52,13 +53,7 @@ def _value_and_grads(fn, z, dy, v, jit_compile=True):
     """fn(z), d<fn(z), dy>/dz and the second-order d<dz, v>/d(dy): in one XLA function, or
     eagerly (jit_compile=None)."""
     def run(z, dy, v):
-        with tf.GradientTape() as outer:
-            outer.watch(dy)
-            with tf.GradientTape() as inner:
-                inner.watch(z)
-                y = fn(z)
-            dz = inner.gradient(y, z, output_gradients=dy)
-        return y, dz, outer.gradient(dz, dy, output_gradients=v)
+        return derivatives(fn, z, dy, v)
     return (run if jit_compile is None else tf.function(run, jit_compile=True))(z, dy, v)
 
 
@@ -187,7 +182,7 @@ def test_bitwise_equal_to_definition_and_to_stock_under_xla(n, h, w, c, k, s, pa
     y, dz, ddy = _value_and_grads(fused, z, dy, v)
     y_stock, dz_stock = _value_and_grad(stock, z, dy)
     assert_bitwise_equal(y, y_stock, f"forward {where}")
-    if not GPU_VISIBLE:   # (XLA's GPU backend: gpu_check/xla_bitwise.py)
+    if not GPU_VISIBLE:   # (XLA's GPU backend: benchmarks/xla_bitwise.py)
         y_ref, has_nan = _forward_reference(z, k, s, padding, data_format)
         y_np = y.numpy()
         y_ref[has_nan & np.isnan(y_np)] = np.nan   # NaN, or the NaN-skipping maximum, there

@@ -92,8 +92,8 @@ def trace_role_ops(role):
 @functools.lru_cache(maxsize=None)
 def table():
     """({role name: Role}, (Pattern, ...)): the table of the loaded library."""
-    from tf_relupool import grappler
-    return parse_table(grappler.pattern_table_text())
+    from tf_relupool import _clib
+    return parse_table(_clib.pattern_table_text())
 
 
 def role_ops(role):

@@ -12,7 +12,7 @@ run, twice with the switch on:
   calls it; tracing is enough, nothing is compiled;
 - "grappler": without XLA (`jit_compile=False`, a CPU-only machine, tf.distribute), where the
   graph pass decides; its decisions come from running the pass over the traced graph offline
-  (tf_relupool.grappler.rewrite_serialized_graph), as Grappler would.
+  (tf_relupool._clib.rewrite_serialized_graph), as Grappler would.
 
 Bytes saved per step, for a fused pair: the pool's input (the ReLU's output, or its padded
 copy), which stock keeps for the pool's backward, minus the one-byte codes the fused op keeps
@@ -99,12 +99,12 @@ _FUSED = ("ReluMaxPool", "ReluMaxPoolWithWindowArgmax")
 
 def _grappler_pairs(model, spec, keep):
     import tensorflow as tf
-    from tf_relupool import grappler
+    from tf_relupool import _clib
     concrete = tf.function(_step(model), jit_compile=False).get_concrete_function(spec)
     graph_def = concrete.graph.as_graph_def()
     before = {n.name: n for n in graph_def.node}
     pools = [n for n in graph_def.node if n.op in _POOLS]
-    fused_count, data, log = grappler.rewrite_serialized_graph(
+    fused_count, data, log = _clib.rewrite_serialized_graph(
         graph_def.SerializeToString(), keep, preserve=[o.op.name for o in concrete.outputs])
     after = {}
     if data is not None:

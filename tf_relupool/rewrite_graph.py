@@ -80,8 +80,8 @@ def rewrite_graph(graph_def, keep=None):
     """
     keep = resolve_graph_keep(keep)
     load_library()  # the fused ops must be registered for the result to be importable
-    from tf_relupool import grappler  # the pass lives in the op library
-    fused, data, lines = grappler.rewrite_serialized_graph(graph_def.SerializeToString(), keep)
+    from tf_relupool import _clib, grappler  # the pass lives in the op library
+    fused, data, lines = _clib.rewrite_serialized_graph(graph_def.SerializeToString(), keep)
     if data is not None:
         grappler.ensure_registered()  # the result holds fused ops: their layout pass
     for line in lines:
