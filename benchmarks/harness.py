@@ -89,13 +89,16 @@ VARIANTS = {
     "default-switch": {"keep": None, "switch": "argmax", "jit": "auto"},
     "default-layer": {"keep": "argmax", "switch": None, "jit": "auto"},
     "default-remat": {"keep": None, "switch": None, "jit": "auto", "remat": True},
+    "default-switch-bn": {"keep": None, "switch": "argmax", "jit": "auto", "bn_relu": True},
 }
 VARIANT_LABELS = {"stock": "stock", "argmax": "fused argmax", "input": "fused input",
                   "switch": "stock + enable_recompute()",
                   "default": "stock, Keras default compile",
                   "default-switch": "stock + enable_recompute(), Keras default compile",
                   "default-layer": "rewrite_model (ReluMaxPool2D), Keras default compile",
-                  "default-remat": "keras.RematScope(activations), Keras default compile"}
+                  "default-remat": "keras.RematScope(activations), Keras default compile",
+                  "default-switch-bn": "stock + enable_recompute(bn_relu=True), Keras default "
+                                       "compile"}
 SWITCHED = {v: spec["switch"] for v, spec in VARIANTS.items() if spec["switch"]}
 
 
@@ -154,7 +157,8 @@ def train_step(model, x, y, variant="stock"):
     if keep is None:
         return float(model.train_on_batch(x, y))
     import tf_relupool
-    with tf_relupool.recompute(keep):
+    extra = {"bn_relu": True} if VARIANTS[variant].get("bn_relu") else {}
+    with tf_relupool.recompute(keep, **extra):
         return float(model.train_on_batch(x, y))
 
 
