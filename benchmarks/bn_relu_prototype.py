@@ -30,6 +30,10 @@ run in one fresh subprocess per variant:
   recompute_grad  the proto's segments under tf.recompute_grad (TensorFlow's own)
   remat           the model built inside keras.RematScope(mode="activations")
   switch          stock under tf_relupool.enable_recompute(); "X+switch": variant X under it
+  product         stock under tf_relupool.enable_recompute(bn_relu=True): the shipped module
+                  (tf_relupool/bn_relu.py) with the pool switch, its barrier chosen as shipped
+                  (XLA's where a GPU is visible, else the select); product-xla, product-select:
+                  that barrier forced (TF_RELUPOOL_BN_RELU_BARRIER)
 
 Prints per variant: peak bytes above resident during a steady step (allocator stats of the
 device; on the CPU with TF_CPU_ALLOCATOR_USE_BFC=true, set here), XLA's preallocated temp
@@ -60,7 +64,8 @@ import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 VARIANTS = ("stock", "proto", "proto-select", "proto-nobarrier", "split", "split-select",
-            "recompute_grad", "remat", "switch", "proto+switch", "proto-select+switch")
+            "recompute_grad", "remat", "switch", "proto+switch", "proto-select+switch", "product")
+PRODUCT_BARRIERS = {"product": None, "product-xla": "xla", "product-select": "select"}
 LR = 0.01
 
 
@@ -445,7 +450,14 @@ def worker(args):
     dev = "GPU:0" if args.device == "gpu" else "CPU:0"
     data = np.load(args.init)
     variant = args.variant
-    if variant.endswith("+switch"):
+    if variant in PRODUCT_BARRIERS:
+        import tf_relupool
+        from tf_relupool import bn_relu
+        if PRODUCT_BARRIERS[variant]:
+            os.environ[bn_relu.BARRIER_ENV_VAR] = PRODUCT_BARRIERS[variant]
+        tf_relupool.enable_recompute(bn_relu=True)
+        variant = "stock"
+    elif variant.endswith("+switch"):
         import tf_relupool
         tf_relupool.enable_recompute()
         variant = variant[:-len("+switch")]
@@ -482,6 +494,7 @@ def worker(args):
     res = dict(variant=args.variant, losses=[], times=[], peaks=[])
     if walker is not None:
         res["walker"] = walker.summary()
+    product = args.variant in PRODUCT_BARRIERS
     snaps = {}
     t0 = time.time()
     for s in range(max(args.steps, 3)):
@@ -512,6 +525,9 @@ def worker(args):
             if before is not None:
                 res["peaks"].append(tf.config.experimental.get_memory_info(dev)["peak"] - before)
     np.savez(args.snap, **snaps)
+    if product:
+        from tf_relupool import bn_relu
+        res["product"] = dict(bn_relu.stats(), barrier=bn_relu.barrier_kind())
     if args.hlo:
         counts = {}
         for stage in ("hlo", "optimized_hlo"):
@@ -709,6 +725,8 @@ def _print(args, r):
                  f" ({len(r['weights_differ'])}/{r['n_weights']} differ)")
     if "walker" in r:
         line += f"  {r['walker']}"
+    if "product" in r:
+        line += f"  {r['product']}"
     if "hlo" in r:
         line += f"\n    hlo {r['hlo']}"
     print(line, flush=True)
