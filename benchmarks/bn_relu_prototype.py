@@ -576,6 +576,8 @@ def main(argv=None):
     p.add_argument("--no-autotune-cache", action="store_true",
                    help="GPU: let every variant autotune its convolutions itself (by default "
                         "the first variant's XLA autotuning results are loaded by the others)")
+    p.add_argument("--reference", default="stock",
+                   help="the variant whose bits the others are compared with (default stock)")
     p.add_argument("--hlo", action="store_true", help="also count ops of the step's HLO")
     p.add_argument("--out", default=None, help="write the results as JSON here")
     p.add_argument("--keep-dumps", default=None, help="keep XLA dumps under this directory")
@@ -680,7 +682,7 @@ def main(argv=None):
         r["temp_bytes"] = temp_bytes(dump)
         r["wall_s"] = time.time() - t
         results[v] = r
-        _compare(results, tmp, v)
+        _compare(results, tmp, v, args.reference)
         _print(args, r)
     if args.out:
         meta = dict(device=args.device, model=args.model, batch=args.batch, size=args.size,
@@ -697,13 +699,14 @@ def main(argv=None):
     return 0
 
 
-def _compare(results, tmp, v):
+def _compare(results, tmp, v, ref="stock"):
     r = results[v]
-    if v == "stock" or "stock" not in results or "failed" in results["stock"]:
+    if v == ref or ref not in results or "failed" in results[ref]:
         return
-    a = np.load(os.path.join(tmp, "stock.npz"))
+    a = np.load(os.path.join(tmp, f"{ref}.npz"))
     b = np.load(os.path.join(tmp, f"{v}.npz"))
-    r["losses_equal"] = r["losses"] == results["stock"]["losses"]
+    r["reference"] = ref
+    r["losses_equal"] = r["losses"] == results[ref]["losses"]
     grads = [k for k in a.files if k.startswith("g")]
     wts = [k for k in a.files if k.startswith("v")]
     r["grads_differ"] = [k for k in grads if not np.array_equal(a[k], b[k])]
@@ -720,7 +723,7 @@ def _print(args, r):
             f"XLA temp {r['temp_bytes'] / mib:8.1f} MiB  step {np.median(r['times']) * 1e3:8.1f} ms"
             f"  first {r['first_step_s']:.1f} s")
     if "losses_equal" in r:
-        line += (f"  bitwise: loss {r['losses_equal']} grads {r['grads_equal']}"
+        line += (f"  bitwise vs {r['reference']}: loss {r['losses_equal']} grads {r['grads_equal']}"
                  f" ({len(r['grads_differ'])}/{r['n_grads']} differ) weights {r['weights_equal']}"
                  f" ({len(r['weights_differ'])}/{r['n_weights']} differ)")
     if "walker" in r:

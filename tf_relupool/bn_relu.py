@@ -153,6 +153,23 @@ def _entry(t):
     return None if graph is None else _graphs.of(graph)
 
 
+class _Ours:
+    """Records the ops made inside the block as the segments' own (G's and C's, forward and
+    backward), so that the consumer checks see only the model's ops."""
+
+    def __init__(self, graph):
+        self.graph = graph
+        self.new = set()
+
+    def __enter__(self):
+        self._count = len(self.graph.get_operations())
+        return self
+
+    def __exit__(self, *exc):
+        self.new = {op.name for op in self.graph.get_operations()[self._count:]}
+        _graphs.of(self.graph)["ops"].update(self.new)
+
+
 # ------------------------------------------------------------------------- BatchNormalization
 
 def _covered_bn(layer, inputs, training, mask):
@@ -212,7 +229,6 @@ class Segment:
         for term in terms:
             self.inputs += list(term[2]) if term[0] == "bn" else [term[1]]
         self.output = None          # G's output, what every consumer reads
-        self.conv_ops = set()       # ops of the C's
 
     def compute(self, ts):
         """relu(z * inv + shift [+ ...]) from `ts` (like self.inputs), stock's ops in order."""
@@ -305,25 +321,30 @@ def _segment(u):
     if seg is None:
         return None
     n = len(seg.inputs)
-    graph = u.graph
-    before = set(op.name for op in graph.get_operations())
 
     @tf.custom_gradient
     def bn_relu(*args):
         ts = list(args[:n])
 
         def grad(da):
+            with _Ours(da.graph):
+                return _grad(da)
+
+        def _grad(da):
             reason = seg.stock_reason()
             if reason is None and (gradient_sources.route(seg.skipped())
                                    != gradient_sources.FUSED):
                 reason = "the gradient is taken with respect to a skipped tensor, or unknown"
             if reason is None:
                 _stats["recomputed"] += 1
-                xs, (da_held,) = _hold(ts, [da])
+                # No barrier here: XLA merges this copy with the forward's and, as in stock,
+                # fuses relu(z * inv + shift) into ReluGrad's fusion from z. A barrier would
+                # change that fusion and with it the bits (docs/bn_relu_recompute.md). The saving
+                # is the C's: the kernel gradients' copies of the ReLU output.
                 with tf.GradientTape() as tape:
-                    tape.watch(xs)
-                    a = seg.compute(xs)
-                return list(tape.gradient(a, xs, output_gradients=da_held)) + [None]
+                    tape.watch(ts)
+                    a = seg.compute(ts)
+                return list(tape.gradient(a, ts, output_gradients=da)) + [None]
             _stats["stock"] += 1
             _stats["stock:" + reason] += 1
             # Stock's Relu gradient into the ReLU's traced input; the tape goes on through stock's
@@ -332,10 +353,9 @@ def _segment(u):
 
         return seg.compute(ts), grad
 
-    seg.output = bn_relu(*seg.inputs, u)
-    entry = _entry(u)
-    entry["ops"].update(op.name for op in graph.get_operations() if op.name not in before)
-    entry["segments"][seg.output.name] = seg
+    with _Ours(u.graph):
+        seg.output = bn_relu(*seg.inputs, u)
+    _entry(u)["segments"][seg.output.name] = seg
     _stats["segments"] += 1
     return seg.output
 
@@ -362,8 +382,6 @@ def _conv(seg, original, a, kernel, args):
     import tensorflow as tf
     k = tf.convert_to_tensor(kernel)
     n = len(seg.inputs)
-    graph = a.graph
-    before = set(op.name for op in graph.get_operations())
 
     def convolve(x, w):
         return original(x, w, *args)
@@ -373,6 +391,10 @@ def _conv(seg, original, a, kernel, args):
         ts = list(ts)
 
         def grad(dy):
+            with _Ours(dy.graph):
+                return _grad(dy)
+
+        def _grad(dy):
             if seg.stock_reason() is None:
                 xs, (dy_held,) = _hold(ts + [k_in], [dy])
                 with tf.GradientTape() as tape:
@@ -389,10 +411,8 @@ def _conv(seg, original, a, kernel, args):
 
         return convolve(a_in, k_in), grad
 
-    out = conv_of_bn_relu(a, k, *seg.inputs)
-    new = {op.name for op in graph.get_operations() if op.name not in before}
-    _entry(a)["ops"].update(new)
-    seg.conv_ops.update(new)
+    with _Ours(a.graph):
+        out = conv_of_bn_relu(a, k, *seg.inputs)
     _stats["convs"] += 1
     return out
 
