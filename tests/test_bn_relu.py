@@ -129,6 +129,13 @@ def test_conv_bn_relu_conv_bitwise_and_recomputed(relu, data_format):
     assert delta == dict(segments=1, convs=1, recomputed=1, stock=0, fused=0)
 
 
+@pytest.mark.parametrize("bn_kwargs", [dict(center=False), dict(scale=False),
+                                       dict(momentum=0.9, epsilon=1e-5)])
+def test_bn_options_bitwise_and_recomputed(bn_kwargs):
+    delta = _stock_and_product(_block(bn_kwargs), 4)
+    assert delta == dict(segments=1, convs=1, recomputed=1, stock=0, fused=0)
+
+
 @pytest.mark.parametrize("shortcut", ["projection", "identity"])
 def test_bn_add_relu_bitwise_and_recomputed(shortcut):
     delta = _stock_and_product(_residual(shortcut), 4)

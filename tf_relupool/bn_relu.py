@@ -1,4 +1,4 @@
-"""The switch's BatchNorm + ReLU recomputation under XLA (issue 27): `enable_recompute(bn_relu=True)`.
+"""BatchNorm + ReLU recomputed in the backward under XLA: `enable_recompute(bn_relu=True)`.
 
 In stock training a conv -> BatchNormalization -> ReLU -> conv block keeps two full-size tensors
 for the backward pass: the BN input z (BN's own gradient reads it) and the ReLU output a (the next
@@ -25,15 +25,18 @@ turns off):
   backward recomputes G's output for the kernel gradient (the input gradient needs the kernel
   alone), so that neither C nor G keeps the ReLU output.
 
-G's backward recomputes the ReLU output for ReluGrad and differentiates the recomputation with
-stock's registered gradients (ReluGrad, AddV2's and Mul's broadcasting gradients); C's uses
-Conv2DBackpropInput/Filter. The tape sums the consumers' gradients at G's output as stock sums
-them at the ReLU's output. The recomputation runs behind a barrier so that XLA can neither merge
-it with the forward's (CSE) nor schedule it before the backward reaches it: XLA's optimization
-barrier on a GPU; on the CPU, whose pipeline deletes that barrier before fusion and scheduling,
-`select(p, x, 0)` of every recomputation input, where p is a tautology read from the incoming
-gradient ((e == e) | (e != e)), exact for every value. `TF_RELUPOOL_BN_RELU_BARRIER` ("xla",
-"select", default "auto": "xla" where a GPU is visible and TensorFlow registers the op) picks it.
+G's backward recomputes the ReLU output and differentiates it with stock's registered gradients
+(ReluGrad, AddV2's and Mul's broadcasting gradients), without a barrier: XLA merges that copy
+with the forward's and, as for stock, fuses relu(z * inv + shift) into ReluGrad's fusion, which
+keeps stock's fusion and bits (a barrier there changed them; docs/bn_relu_recompute.md). C's
+backward (Conv2DBackpropInput from the kernel, Conv2DBackpropFilter from the recomputed output)
+runs behind a barrier, so that XLA can neither merge its recomputation with the forward's (CSE)
+nor schedule it before the backward reaches it: XLA's optimization barrier on a GPU; on the CPU,
+whose pipeline deletes that barrier before fusion and scheduling, `select(p, x, 0)` of every
+recomputation input, where p is a tautology read from the incoming gradient
+((e == e) | (e != e)), exact for every value. `TF_RELUPOOL_BN_RELU_BARRIER` ("xla", "select",
+default "auto": "xla" where a GPU is visible and TensorFlow registers the op) picks it. The tape
+sums the consumers' gradients at G's output as stock sums them at the ReLU's output.
 
 Whether a segment recomputes is decided when its gradient is traced, when every consumer of the
 forward is known. It recomputes only where the ReLU output's consumers are C's, other segments,
@@ -50,14 +53,11 @@ BN + ReLU).
 """
 import collections
 import functools
-import logging
 import os
 import threading
 import weakref
 
 from tf_relupool import _state, gradient_sources
-
-logger = logging.getLogger("tf_relupool")
 
 BARRIER_ENV_VAR = "TF_RELUPOOL_BN_RELU_BARRIER"
 BARRIERS = ("auto", "xla", "select")
