@@ -7,6 +7,7 @@ bytes. The memory checks read XLA's preallocated temp buffer from a dump of the 
 assignment (one subprocess per model: XLA reads its flags once per process).
 """
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -241,6 +242,30 @@ def test_gradient_with_respect_to_a_skipped_tensor_is_stock(which, symbolic):
         assert_bitwise_equal(g, r)
 
 
+def test_jacobians_are_stock():
+    """jacobian / batch_jacobian (pfor over the gradient) with respect to the BN output and a
+    kernel: stock's bits (pfor's loop reads the ReLU output: stock's route)."""
+    model = _exposed("bn")
+    x, _ = _data(model, 2)
+
+    def jacobians(x):
+        with tf.GradientTape(persistent=True) as tape:
+            inner, logits = model(x, training=True)
+            score = logits[:, 1]
+        return (tape.jacobian(score, inner), tape.batch_jacobian(logits, inner),
+                tape.jacobian(score, model.trainable_variables[0]))
+    init = model.get_weights()
+    ref = tf.function(jacobians, jit_compile=True)(x)
+    model.set_weights(init)
+    before = bn_relu.stats()
+    with tf_relupool.recompute(bn_relu=True):
+        got = tf.function(jacobians, jit_compile=True)(x)
+    assert bn_relu.stats()["segments"] == before["segments"] + 1
+    assert bn_relu.stats()["recomputed"] == before["recomputed"]
+    for g, r in zip(got, ref):
+        assert_bitwise_equal(g, r)
+
+
 # ---- what is not covered is not rewritten -------------------------------------------------
 
 def _block(bn_kwargs=None, relu=None, after=None, dtype=None):
@@ -280,6 +305,19 @@ def test_relu_output_kept_by_another_consumer_takes_stocks_route():
     its gradient is stock's (no recomputation)."""
     delta = _stock_and_product(_block(after="dense"), 4)
     assert delta == dict(segments=1, convs=0, recomputed=0, stock=1, fused=0)
+
+
+def test_bn_output_read_by_two_relus_takes_stocks_route():
+    """One BN output, two ReLUs (each a segment): stock sums both ReLUs' gradients at the BN
+    output before BN's backward, so both segments take stock's route."""
+    keras.utils.set_random_seed(10)
+    inputs = keras.Input((8, 8, 4))
+    y = layers.BatchNormalization()(layers.Conv2D(8, 3, padding="same", use_bias=False)(inputs))
+    a, b = layers.ReLU()(y), layers.Activation("relu")(y)
+    x = layers.Add()([layers.Conv2D(8, 3, padding="same")(a), layers.Conv2D(8, 1)(b)])
+    model = keras.Model(inputs, layers.Dense(10)(layers.GlobalAveragePooling2D()(x)))
+    delta = _stock_and_product(model, 4)
+    assert delta == dict(segments=2, convs=2, recomputed=0, stock=2, fused=0)
 
 
 def test_relu_that_feeds_a_max_pool_stays_with_the_pool_fusion():
@@ -431,3 +469,23 @@ def test_resnet50_temp_buffer_at_most_half_of_stocks(tmp_path):
     result, temps = _temp_sizes("resnet50", 64, 4, tmp_path)
     assert result["product"] == result["switch"]
     assert temps["product"] <= 0.5 * temps["stock"], temps
+
+
+def test_enable_warns_where_keras_does_not_reach_the_hooks(monkeypatch, caplog):
+    """The probe at install: silent where Keras reaches the hooks; a warning naming what was not
+    reached where a hook is missing (here: only BatchNormalization's installed)."""
+    from keras.src.backend.tensorflow import nn
+    monkeypatch.setattr(bn_relu, "_probed", [])
+    with caplog.at_level(logging.WARNING, logger="tf_relupool"):
+        tf_relupool.enable_recompute(bn_relu=True)
+    assert not [r for r in caplog.records if "bn_relu=True" in r.getMessage()]
+    tf_relupool.disable_recompute()
+    caplog.clear()
+    monkeypatch.setattr(bn_relu, "_probed", [])
+    original = nn.conv
+    monkeypatch.setattr(bn_relu, "_targets",
+                        lambda: [(layers.BatchNormalization, "call", bn_relu._bn_call_wrapper)])
+    with caplog.at_level(logging.WARNING, logger="tf_relupool"):
+        tf_relupool.enable_recompute(bn_relu=True)
+    assert nn.conv is original
+    assert [r for r in caplog.records if "no segment at the ReLU" in r.getMessage()]

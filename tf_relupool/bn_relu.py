@@ -53,11 +53,14 @@ BN + ReLU).
 """
 import collections
 import functools
+import logging
 import os
 import threading
 import weakref
 
 from tf_relupool import _state, gradient_sources
+
+logger = logging.getLogger("tf_relupool")
 
 BARRIER_ENV_VAR = "TF_RELUPOOL_BN_RELU_BARRIER"
 BARRIERS = ("auto", "xla", "select")
@@ -122,7 +125,10 @@ def _targets():
 
 def set_enabled(on):
     """Installs (on) or removes (off) the hooks. Removing restores each original unless
-    something else replaced it since (that stays)."""
+    something else replaced it since (that stays). After an install, a probe traces a tiny
+    conv -> BN -> ReLU -> conv inside tf.function(jit_compile=True) (no compilation) and warns
+    where Keras' calls did not reach the hooks."""
+    installed_now = False
     with _lock:
         if on and not _patches:
             for owner, name, factory in _targets():
@@ -130,11 +136,52 @@ def set_enabled(on):
                 wrapper = factory(original)
                 _patches.append((owner, name, original, wrapper))
                 setattr(owner, name, wrapper)
+                installed_now = True
         elif not on:
             while _patches:
                 owner, name, original, wrapper = _patches.pop()
                 if owner.__dict__.get(name) is wrapper:
                     setattr(owner, name, original)
+    if installed_now and not _probed:
+        _check_dispatch()
+
+
+_probed = []  # [True] once a probe found every hook reached
+
+
+def _check_dispatch():
+    """The probe of set_enabled: one segment and one C traced, else a warning."""
+    import tensorflow as tf
+    from keras import layers
+    saved = collections.Counter(_stats)
+    try:
+        # named: Keras' automatic layer names stay as they were; float32: a mixed-precision
+        # policy would not be covered
+        kw = dict(dtype="float32")
+        conv1 = layers.Conv2D(2, 1, use_bias=False, name="tf_relupool_probe_conv1", **kw)
+        bn = layers.BatchNormalization(name="tf_relupool_probe_bn", **kw)
+        relu = layers.ReLU(name="tf_relupool_probe_relu", **kw)
+        conv2 = layers.Conv2D(2, 1, name="tf_relupool_probe_conv2", **kw)
+        tf.function(lambda x: conv2(relu(bn(conv1(x), training=True))), jit_compile=True,
+                    autograph=False).get_concrete_function(tf.TensorSpec([1, 2, 2, 2]))
+        reached = (_stats["segments"] > saved["segments"], _stats["convs"] > saved["convs"])
+    except Exception as e:  # noqa: BLE001 - the probe must not break enable_recompute()
+        reached, error = (False, False), e
+    else:
+        error = None
+    finally:
+        _stats.clear()
+        _stats.update(saved)
+    if all(reached):
+        _probed.append(True)
+        return
+    logger.warning(
+        "tf_relupool: enable_recompute(bn_relu=True): a conv -> BatchNormalization -> ReLU -> "
+        "conv traced inside tf.function(jit_compile=True) did not reach tf_relupool's hooks "
+        "(%s); BatchNorm + ReLU run stock's ops there (no saving, stock's results). Keras may "
+        "have moved the functions tf_relupool wraps.",
+        f"the probe failed: {error}" if error else
+        "no segment at the ReLU" if not reached[0] else "no segment at the Conv2D")
 
 
 def _active():
@@ -229,6 +276,7 @@ class Segment:
         for term in terms:
             self.inputs += list(term[2]) if term[0] == "bn" else [term[1]]
         self.output = None          # G's output, what every consumer reads
+        self.ops = set()            # the names of G's forward ops
 
     def compute(self, ts):
         """relu(z * inv + shift [+ ...]) from `ts` (like self.inputs), stock's ops in order."""
@@ -255,8 +303,7 @@ class Segment:
         for op in self.output.consumers():
             if op.name not in ours and op.type not in _KEEP_NOTHING:
                 return "the ReLU output also feeds " + op.type
-        own = {op.name for op in self.u.consumers()} - ours
-        if own:
+        if {op.name for op in self.u.consumers()} - self.ops:  # another segment's G too
             return "the ReLU's input feeds other ops"
         for term in self.terms:
             if term[0] == "bn" and term[1] is not self.u:
@@ -353,8 +400,9 @@ def _segment(u):
 
         return seg.compute(ts), grad
 
-    with _Ours(u.graph):
+    with _Ours(u.graph) as ours:
         seg.output = bn_relu(*seg.inputs, u)
+    seg.ops = ours.new
     _entry(u)["segments"][seg.output.name] = seg
     _stats["segments"] += 1
     return seg.output
