@@ -66,8 +66,7 @@ BARRIER_ENV_VAR = "TF_RELUPOOL_BN_RELU_BARRIER"
 BARRIERS = ("auto", "xla", "select")
 
 _lock = threading.Lock()
-_local = threading.local()  # .plain_relu: inside a ReLU.static_call with default arguments
-_patches = []  # [(owner, attribute, original)] while installed
+_patches = []  # [(owner, attribute, original, wrapper)] while installed
 _stats = collections.Counter()
 #: ops whose gradient reads none of their inputs' values: a ReLU output they read is not kept
 _KEEP_NOTHING = frozenset({"AddV2", "Add", "Mean", "Shape", "ShapeN", "Size", "Rank"})
