@@ -33,7 +33,7 @@ install: $(VENV)/.installed
 STOCK_TESTS ?= tests/test_ops.py tests/test_rewrite.py tests/test_layers.py tests/test_patterns.py \
 	tests/test_keras_integration.py tests/test_fuzz.py tests/test_higher_order.py \
 	tests/test_grappler.py tests/test_fuse_relu_max_pool.py tests/test_fold_transposes.py \
-	tests/test_cpu_dispatch.py tests/test_xla.py tests/test_distribute.py
+	tests/test_cpu_dispatch.py tests/test_xla.py tests/test_bn_relu.py tests/test_distribute.py
 
 test: install
 	$(VENV)/bin/pytest -q tests

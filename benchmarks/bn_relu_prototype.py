@@ -30,6 +30,10 @@ run in one fresh subprocess per variant:
   recompute_grad  the proto's segments under tf.recompute_grad (TensorFlow's own)
   remat           the model built inside keras.RematScope(mode="activations")
   switch          stock under tf_relupool.enable_recompute(); "X+switch": variant X under it
+  product         stock under tf_relupool.enable_recompute(bn_relu=True): the shipped module
+                  (tf_relupool/bn_relu.py) with the pool switch, its barrier chosen as shipped
+                  (XLA's where a GPU is visible, else the select); product-xla, product-select:
+                  that barrier forced (TF_RELUPOOL_BN_RELU_BARRIER)
 
 Prints per variant: peak bytes above resident during a steady step (allocator stats of the
 device; on the CPU with TF_CPU_ALLOCATOR_USE_BFC=true, set here), XLA's preallocated temp
@@ -60,7 +64,8 @@ import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 VARIANTS = ("stock", "proto", "proto-select", "proto-nobarrier", "split", "split-select",
-            "recompute_grad", "remat", "switch", "proto+switch", "proto-select+switch")
+            "recompute_grad", "remat", "switch", "proto+switch", "proto-select+switch", "product")
+PRODUCT_BARRIERS = {"product": None, "product-xla": "xla", "product-select": "select"}
 LR = 0.01
 
 
@@ -445,7 +450,14 @@ def worker(args):
     dev = "GPU:0" if args.device == "gpu" else "CPU:0"
     data = np.load(args.init)
     variant = args.variant
-    if variant.endswith("+switch"):
+    if variant in PRODUCT_BARRIERS:
+        import tf_relupool
+        from tf_relupool import bn_relu
+        if PRODUCT_BARRIERS[variant]:
+            os.environ[bn_relu.BARRIER_ENV_VAR] = PRODUCT_BARRIERS[variant]
+        tf_relupool.enable_recompute(bn_relu=True)
+        variant = "stock"
+    elif variant.endswith("+switch"):
         import tf_relupool
         tf_relupool.enable_recompute()
         variant = variant[:-len("+switch")]
@@ -482,6 +494,7 @@ def worker(args):
     res = dict(variant=args.variant, losses=[], times=[], peaks=[])
     if walker is not None:
         res["walker"] = walker.summary()
+    product = args.variant in PRODUCT_BARRIERS
     snaps = {}
     t0 = time.time()
     for s in range(max(args.steps, 3)):
@@ -512,6 +525,9 @@ def worker(args):
             if before is not None:
                 res["peaks"].append(tf.config.experimental.get_memory_info(dev)["peak"] - before)
     np.savez(args.snap, **snaps)
+    if product:
+        from tf_relupool import bn_relu
+        res["product"] = dict(bn_relu.stats(), barrier=bn_relu.barrier_kind())
     if args.hlo:
         counts = {}
         for stage in ("hlo", "optimized_hlo"):
@@ -560,6 +576,8 @@ def main(argv=None):
     p.add_argument("--no-autotune-cache", action="store_true",
                    help="GPU: let every variant autotune its convolutions itself (by default "
                         "the first variant's XLA autotuning results are loaded by the others)")
+    p.add_argument("--reference", default="stock",
+                   help="the variant whose bits the others are compared with (default stock)")
     p.add_argument("--hlo", action="store_true", help="also count ops of the step's HLO")
     p.add_argument("--out", default=None, help="write the results as JSON here")
     p.add_argument("--keep-dumps", default=None, help="keep XLA dumps under this directory")
@@ -664,7 +682,7 @@ def main(argv=None):
         r["temp_bytes"] = temp_bytes(dump)
         r["wall_s"] = time.time() - t
         results[v] = r
-        _compare(results, tmp, v)
+        _compare(results, tmp, v, args.reference)
         _print(args, r)
     if args.out:
         meta = dict(device=args.device, model=args.model, batch=args.batch, size=args.size,
@@ -681,13 +699,14 @@ def main(argv=None):
     return 0
 
 
-def _compare(results, tmp, v):
+def _compare(results, tmp, v, ref="stock"):
     r = results[v]
-    if v == "stock" or "stock" not in results or "failed" in results["stock"]:
+    if v == ref or ref not in results or "failed" in results[ref]:
         return
-    a = np.load(os.path.join(tmp, "stock.npz"))
+    a = np.load(os.path.join(tmp, f"{ref}.npz"))
     b = np.load(os.path.join(tmp, f"{v}.npz"))
-    r["losses_equal"] = r["losses"] == results["stock"]["losses"]
+    r["reference"] = ref
+    r["losses_equal"] = r["losses"] == results[ref]["losses"]
     grads = [k for k in a.files if k.startswith("g")]
     wts = [k for k in a.files if k.startswith("v")]
     r["grads_differ"] = [k for k in grads if not np.array_equal(a[k], b[k])]
@@ -704,11 +723,13 @@ def _print(args, r):
             f"XLA temp {r['temp_bytes'] / mib:8.1f} MiB  step {np.median(r['times']) * 1e3:8.1f} ms"
             f"  first {r['first_step_s']:.1f} s")
     if "losses_equal" in r:
-        line += (f"  bitwise: loss {r['losses_equal']} grads {r['grads_equal']}"
+        line += (f"  bitwise vs {r['reference']}: loss {r['losses_equal']} grads {r['grads_equal']}"
                  f" ({len(r['grads_differ'])}/{r['n_grads']} differ) weights {r['weights_equal']}"
                  f" ({len(r['weights_differ'])}/{r['n_weights']} differ)")
     if "walker" in r:
         line += f"  {r['walker']}"
+    if "product" in r:
+        line += f"  {r['product']}"
     if "hlo" in r:
         line += f"\n    hlo {r['hlo']}"
     print(line, flush=True)

@@ -16,6 +16,7 @@ KEEP_CHOICES = (KEEP_ARGMAX, KEEP_INPUT)
 MODE_CODES = {None: 0, KEEP_ARGMAX: 1, KEEP_INPUT: 2}
 
 _mode = None  # None (off), KEEP_ARGMAX or KEEP_INPUT; written by config under its lock
+_bn_relu = False  # enable_recompute(bn_relu=True): BN + ReLU recomputed under XLA (bn_relu.py)
 
 
 def check_keep(keep, allow_none=False, allow_bool=False):
@@ -43,3 +44,14 @@ def set_mode(keep):
     """Sets the switch's value (already checked; config holds the lock and tells the routes)."""
     global _mode
     _mode = keep
+
+
+def bn_relu():
+    """Whether the switch also recomputes BatchNorm + ReLU under XLA (only while it is on)."""
+    return _bn_relu
+
+
+def set_bn_relu(on):
+    """Sets the BN + ReLU part of the switch (config holds the lock and tells the routes)."""
+    global _bn_relu
+    _bn_relu = bool(on)

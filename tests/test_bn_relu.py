@@ -1,0 +1,491 @@
+"""tf_relupool/bn_relu.py: the switch's BatchNorm + ReLU recomputation under XLA (bn_relu=True).
+
+Reference: the same Keras model trained by stock Keras under tf.function(jit_compile=True) on
+the CPU, from the same weights and data. "Bitwise": both steps' losses, every gradient of both
+steps and every variable after two SGD steps (BN's moving statistics included) have the same
+bytes. The memory checks read XLA's preallocated temp buffer from a dump of the step's buffer
+assignment (one subprocess per model: XLA reads its flags once per process).
+"""
+import json
+import logging
+import os
+import subprocess
+import sys
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+from keras import layers
+
+import tf_relupool
+from tf_relupool import _example_models, bn_relu, gradient_sources, keras_fusion
+from conftest import assert_bitwise_equal, benchmarks_module
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+LR = 0.01
+
+
+@pytest.fixture(autouse=True)
+def switch_off():
+    tf_relupool.disable_recompute()
+    yield
+    tf_relupool.disable_recompute()
+
+
+def _data(model, batch, seed=0, classes=10):
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((batch,) + tuple(model.input.shape[1:])).astype("float32")
+    return tf.constant(x), tf.constant(rng.integers(0, classes, (batch,)).astype("int32"))
+
+
+def _train(model, x, y, init, steps=2, from_logits=True):
+    """[(loss, grads)] of `steps` SGD steps in one jit-compiled function from the weights
+    `init`, and every weight after them."""
+    model.set_weights(init)
+    tvars = model.trainable_variables
+
+    @tf.function(jit_compile=True)
+    def step(x, y):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(keras.losses.sparse_categorical_crossentropy(
+                y, model(x, training=True), from_logits=from_logits))
+        grads = tape.gradient(loss, tvars)
+        for v, g in zip(tvars, grads):
+            v.assign_sub(LR * g)
+        return loss, grads
+    out = [step(x, y) for _ in range(steps)]
+    return out, [w.numpy() for w in model.weights]
+
+
+def _assert_same_training(got, ref, model):
+    (steps, weights), (ref_steps, ref_weights) = got, ref
+    for s, ((loss, grads), (ref_loss, ref_grads)) in enumerate(zip(steps, ref_steps)):
+        assert_bitwise_equal(loss, ref_loss, f"step {s} loss")
+        for g, r, v in zip(grads, ref_grads, model.trainable_variables):
+            assert g is not None
+            assert_bitwise_equal(g, r, f"step {s} gradient of {v.path}")
+    for w, r, v in zip(weights, ref_weights, model.weights):
+        assert_bitwise_equal(w, r, f"{v.path} after {len(steps)} steps")
+
+
+def _stock_and_product(model, batch, from_logits=True, reference=None):
+    """Trains `model` as stock (or under `recompute(reference)`) and under
+    enable_recompute(bn_relu=True); asserts bitwise equality; returns the change of
+    bn_relu.stats() and keras_fusion.stats() in the product."""
+    init = model.get_weights()
+    x, y = _data(model, batch)
+    with tf_relupool.recompute(reference):
+        ref = _train(model, x, y, init, from_logits=from_logits)
+    before, fused = bn_relu.stats(), keras_fusion.stats()["fused"]
+    with tf_relupool.recompute(bn_relu=True):
+        got = _train(model, x, y, init, from_logits=from_logits)
+    after = bn_relu.stats()
+    _assert_same_training(got, ref, model)
+    delta = {k: after[k] - before[k] for k in ("segments", "convs", "recomputed", "stock")}
+    delta["fused"] = keras_fusion.stats()["fused"] - fused
+    return delta
+
+
+# ---- models -------------------------------------------------------------------------------
+
+def _conv_bn_relu_conv(relu="activation", data_format="channels_last", size=12):
+    keras.utils.set_random_seed(3)
+    shape = (size, size, 4) if data_format == "channels_last" else (4, size, size)
+    axis = -1 if data_format == "channels_last" else 1
+    x = inputs = keras.Input(shape)
+    x = layers.Conv2D(8, 3, padding="same", use_bias=False, data_format=data_format)(x)
+    x = layers.BatchNormalization(axis=axis)(x)
+    x = layers.Activation("relu")(x) if relu == "activation" else layers.ReLU()(x)
+    x = layers.Conv2D(8, 3, padding="same", data_format=data_format)(x)
+    x = layers.GlobalAveragePooling2D(data_format=data_format)(x)
+    return keras.Model(inputs, layers.Dense(10)(x))
+
+
+def _residual(shortcut, size=10):
+    """conv -> BN -> ReLU -> conv -> BN, Add with a projection (conv -> BN) or identity
+    shortcut, ReLU, conv."""
+    keras.utils.set_random_seed(4)
+    inputs = keras.Input((size, size, 8))
+    a = layers.ReLU()(layers.BatchNormalization()(
+        layers.Conv2D(8, 3, padding="same", use_bias=False)(inputs)))
+    y = layers.BatchNormalization()(layers.Conv2D(8, 3, padding="same", use_bias=False)(a))
+    if shortcut == "projection":
+        s = layers.BatchNormalization()(layers.Conv2D(8, 1, use_bias=False)(inputs))
+    else:
+        s = a
+    x = layers.ReLU()(layers.Add()([y, s]))
+    x = layers.Conv2D(8, 3, padding="same")(x)
+    x = layers.GlobalAveragePooling2D()(x)
+    return keras.Model(inputs, layers.Dense(10)(x))
+
+
+# ---- (a), (b): small models ---------------------------------------------------------------
+
+@pytest.mark.parametrize("relu,data_format", [("activation", "channels_last"),
+                                              ("layer", "channels_last"),
+                                              ("layer", "channels_first")])
+def test_conv_bn_relu_conv_bitwise_and_recomputed(relu, data_format):
+    delta = _stock_and_product(_conv_bn_relu_conv(relu, data_format), 4)
+    assert delta == dict(segments=1, convs=1, recomputed=1, stock=0, fused=0)
+
+
+@pytest.mark.parametrize("bn_kwargs", [dict(center=False), dict(scale=False),
+                                       dict(momentum=0.9, epsilon=1e-5)])
+def test_bn_options_bitwise_and_recomputed(bn_kwargs):
+    delta = _stock_and_product(_block(bn_kwargs), 4)
+    assert delta == dict(segments=1, convs=1, recomputed=1, stock=0, fused=0)
+
+
+@pytest.mark.parametrize("shortcut", ["projection", "identity"])
+def test_bn_add_relu_bitwise_and_recomputed(shortcut):
+    delta = _stock_and_product(_residual(shortcut), 4)
+    # relu(bn(conv)) and relu(bn(conv) + shortcut); the identity shortcut is the first ReLU's
+    # output, kept as a tensor by the second segment
+    assert delta == dict(segments=2, convs=2, recomputed=2, stock=0, fused=0)
+
+
+def test_keras_fit_bitwise():
+    """model.fit with jit_compile=True: the weights after two epochs are stock's."""
+    x, y = _data(_conv_bn_relu_conv(), 16)
+
+    def fit(**switch):
+        model = _conv_bn_relu_conv()
+        model.compile(keras.optimizers.SGD(0.05),
+                      keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                      jit_compile=True)
+        with tf_relupool.recompute(**switch):
+            model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+        return model.get_weights()
+    ref = fit(keep=None)
+    before = bn_relu.stats()["recomputed"]
+    got = fit(bn_relu=True)
+    assert bn_relu.stats()["recomputed"] > before
+    for g, r in zip(got, ref):
+        assert_bitwise_equal(g, r)
+
+
+# ---- (c), (d): the examples' ResNet-style CNN and keras.applications' ResNet50 -------------
+
+def test_example_resnet_bitwise_and_stem_stays_with_the_pool_fusion():
+    """Seven BN + ReLU segments; the stem's ReLU feeds the max pool: the pool fusion takes it
+    (its G never gets a gradient), the six others recompute."""
+    keras.utils.set_random_seed(5)
+    delta = _stock_and_product(_example_models.resnet(input_shape=(16, 16, 3)), 4)
+    assert delta == dict(segments=7, convs=7, recomputed=6, stock=0, fused=1)
+
+
+def test_resnet50_bitwise_with_the_switch_alone():
+    """keras.applications.ResNet50 (weights=None) at 32x32, batch 2: 49 BN + ReLU segments, 48
+    recomputing (the stem's ReLU stays with the pool fusion), 50 convolutions of a segment's
+    output. Compared with the switch alone (`enable_recompute()`), because the switch's
+    ZeroPadding2D + max pool stem is not bitwise with stock under the CPU's XLA (a bias and BN
+    reduction whose order follows XLA's fusion; docs/xla.md)."""
+    keras.utils.set_random_seed(6)
+    model = keras.applications.ResNet50(weights=None, input_shape=(32, 32, 3))
+    delta = _stock_and_product(model, 2, from_logits=False, reference="argmax")
+    assert delta == dict(segments=49, convs=50, recomputed=48, stock=0, fused=1)
+
+
+# ---- gradients with respect to tensors the rewrite skips ----------------------------------
+
+def _exposed(which):
+    """A model that also outputs an inner tensor: the BN output y ("bn"), the Add's output
+    ("add"), or the ReLU output ("relu", what the tape sees under the rewrite too)."""
+    keras.utils.set_random_seed(7)
+    inputs = keras.Input((8, 8, 4))
+    y = layers.BatchNormalization()(layers.Conv2D(8, 3, padding="same", use_bias=False)(inputs))
+    s = layers.BatchNormalization()(layers.Conv2D(8, 1, use_bias=False)(inputs))
+    u = layers.Add()([y, s])
+    a = layers.ReLU()(u)
+    x = layers.GlobalAveragePooling2D()(layers.Conv2D(8, 3, padding="same")(a))
+    return keras.Model(inputs, [{"bn": y, "add": u, "relu": a}[which], layers.Dense(3)(x)])
+
+
+def _grads_wrt_inner(model, x, symbolic=False):
+    def fn(x):
+        if symbolic:  # no tape: tf.gradients
+            inner, logits = model(x, training=True)
+            return tf.gradients(tf.reduce_sum(logits[:, 1]), [inner] + model.trainable_variables)
+        with tf.GradientTape() as tape:
+            inner, logits = model(x, training=True)
+            score = tf.reduce_sum(logits[:, 1])
+        return tape.gradient(score, [inner] + model.trainable_variables)
+    return fn
+
+
+@pytest.mark.parametrize("which,symbolic", [("bn", False), ("add", False), ("relu", False),
+                                            ("bn", True)])
+def test_gradient_with_respect_to_a_skipped_tensor_is_stock(which, symbolic):
+    """Grad-CAM style `tape.gradient(score, [inner] + weights)`: stock's bits, never None. For
+    the BN output and the Add's output (which the rewrite skips) G takes stock's route; the ReLU
+    output is G's output, what the tape sees, so the recomputation stays."""
+    model = _exposed(which)
+    init = model.get_weights()
+    x, _ = _data(model, 3)
+    ref = tf.function(_grads_wrt_inner(model, x, symbolic), jit_compile=True)(x)
+    model.set_weights(init)
+    before, routes = bn_relu.stats(), gradient_sources.stats()
+    with tf_relupool.recompute(bn_relu=True):
+        got = tf.function(_grads_wrt_inner(model, x, symbolic), jit_compile=True)(x)
+    after, now = bn_relu.stats(), gradient_sources.stats()
+    assert after["segments"] == before["segments"] + 1
+    if which == "relu":
+        assert after["recomputed"] == before["recomputed"] + 1
+    else:
+        assert after["stock"] == before["stock"] + 1
+        assert after["recomputed"] == before["recomputed"]
+        route = gradient_sources.UNKNOWN if symbolic else gradient_sources.SOURCE
+        assert now[route] > routes[route]
+    assert got[0] is not None
+    for g, r in zip(got, ref):
+        assert_bitwise_equal(g, r)
+
+
+def test_jacobians_are_stock():
+    """jacobian / batch_jacobian (pfor over the gradient) with respect to the BN output and a
+    kernel: stock's bits (pfor's loop reads the ReLU output: stock's route)."""
+    model = _exposed("bn")
+    x, _ = _data(model, 2)
+
+    def jacobians(x):
+        with tf.GradientTape(persistent=True) as tape:
+            inner, logits = model(x, training=True)
+            score = logits[:, 1]
+        return (tape.jacobian(score, inner), tape.batch_jacobian(logits, inner),
+                tape.jacobian(score, model.trainable_variables[0]))
+    init = model.get_weights()
+    ref = tf.function(jacobians, jit_compile=True)(x)
+    model.set_weights(init)
+    before = bn_relu.stats()
+    with tf_relupool.recompute(bn_relu=True):
+        got = tf.function(jacobians, jit_compile=True)(x)
+    assert bn_relu.stats()["segments"] == before["segments"] + 1
+    assert bn_relu.stats()["recomputed"] == before["recomputed"]
+    for g, r in zip(got, ref):
+        assert_bitwise_equal(g, r)
+
+
+# ---- what is not covered is not rewritten -------------------------------------------------
+
+def _block(bn_kwargs=None, relu=None, after=None, dtype=None):
+    keras.utils.set_random_seed(8)
+    inputs = keras.Input((8, 8, 4))
+    x = layers.Conv2D(8, 3, padding="same", use_bias=False, dtype=dtype)(inputs)
+    x = layers.BatchNormalization(dtype=dtype, **(bn_kwargs or {}))(x)
+    x = (relu or layers.ReLU)()(x)
+    if after == "dense":  # Flatten + Dense keep the ReLU output for the kernel's gradient
+        x = layers.Flatten()(x)
+    elif after == "pool":
+        x = layers.Flatten()(layers.MaxPooling2D(2)(x))
+    else:
+        x = layers.GlobalAveragePooling2D()(layers.Conv2D(8, 3, padding="same")(x))
+    return keras.Model(inputs, layers.Dense(10, dtype=dtype)(x))
+
+
+@pytest.mark.parametrize("case", ["renorm", "synchronized", "max_value", "relu6",
+                                  "negative_slope", "threshold", "mixed_bfloat16"])
+def test_not_covered_is_not_rewritten(case):
+    bn_kwargs, relu, dtype = {}, None, None
+    if case in ("renorm", "synchronized"):
+        bn_kwargs = {case: True}
+    elif case == "mixed_bfloat16":
+        dtype = "mixed_bfloat16"
+    else:
+        relu = {"max_value": lambda: layers.ReLU(max_value=4.0),
+                "relu6": lambda: layers.ReLU(max_value=6.0),
+                "negative_slope": lambda: layers.ReLU(negative_slope=0.1),
+                "threshold": lambda: layers.ReLU(threshold=0.5)}[case]
+    delta = _stock_and_product(_block(bn_kwargs, relu, dtype=dtype), 4)
+    assert delta == dict(segments=0, convs=0, recomputed=0, stock=0, fused=0)
+
+
+def test_relu_output_kept_by_another_consumer_takes_stocks_route():
+    """BN -> ReLU -> Flatten -> Dense: the Dense keeps the ReLU output anyway; G is traced but
+    its gradient is stock's (no recomputation)."""
+    delta = _stock_and_product(_block(after="dense"), 4)
+    assert delta == dict(segments=1, convs=0, recomputed=0, stock=1, fused=0)
+
+
+def test_bn_output_read_by_two_relus_takes_stocks_route():
+    """One BN output, two ReLUs (each a segment): stock sums both ReLUs' gradients at the BN
+    output before BN's backward, so both segments take stock's route."""
+    keras.utils.set_random_seed(10)
+    inputs = keras.Input((8, 8, 4))
+    y = layers.BatchNormalization()(layers.Conv2D(8, 3, padding="same", use_bias=False)(inputs))
+    a, b = layers.ReLU()(y), layers.Activation("relu")(y)
+    x = layers.Add()([layers.Conv2D(8, 3, padding="same")(a), layers.Conv2D(8, 1)(b)])
+    model = keras.Model(inputs, layers.Dense(10)(layers.GlobalAveragePooling2D()(x)))
+    delta = _stock_and_product(model, 4)
+    assert delta == dict(segments=2, convs=2, recomputed=0, stock=2, fused=0)
+
+
+def test_relu_that_feeds_a_max_pool_stays_with_the_pool_fusion():
+    delta = _stock_and_product(_block(after="pool"), 4)
+    assert delta["fused"] == 1 and delta["recomputed"] == 0
+
+
+def test_bn_with_a_mask_inference_and_no_xla_are_not_rewritten():
+    keras.utils.set_random_seed(9)
+    conv = layers.Conv2D(8, 3, padding="same", use_bias=False)
+    bn, relu = layers.BatchNormalization(), layers.ReLU()
+    x = tf.random.stateless_normal((2, 6, 6, 4), seed=[1, 2])
+    mask = tf.constant(np.random.default_rng(0).random((2, 6, 6)) > 0.3)
+    calls = {"mask": lambda x: relu(bn(conv(x), training=True, mask=mask)),
+             "inference": lambda x: relu(bn(conv(x), training=False))}
+    before = bn_relu.stats()["segments"]
+    with tf_relupool.recompute(bn_relu=True):
+        for name, fn in calls.items():
+            tf.function(fn, jit_compile=True).get_concrete_function(x)
+            assert bn_relu.stats()["segments"] == before, name
+        tf.function(calls["inference"]).get_concrete_function(x)
+        tf.function(lambda x: relu(bn(conv(x), training=True))).get_concrete_function(x)
+        assert bn_relu.stats()["segments"] == before, "without XLA"
+        tf.function(lambda x: relu(bn(conv(x), training=True)),
+                    jit_compile=True).get_concrete_function(x)
+        assert bn_relu.stats()["segments"] == before + 1, "the same under XLA"
+
+
+# ---- the switch's contract ----------------------------------------------------------------
+
+def _hooked():
+    from keras.src.activations import activations
+    from keras.src.backend.tensorflow import nn
+    return (layers.BatchNormalization.call, activations.ReLU.__dict__["static_call"], nn.conv)
+
+
+def test_hooks_installed_only_with_bn_relu_and_removed_by_disable():
+    original = _hooked()
+    tf_relupool.enable_recompute()
+    assert not bn_relu.installed() and _hooked() == original
+    tf_relupool.enable_recompute(bn_relu=True)
+    assert bn_relu.installed() and keras_fusion.installed()
+    assert all(h is not o for h, o in zip(_hooked(), original))
+    tf_relupool.disable_recompute()
+    assert not bn_relu.installed() and _hooked() == original
+    with tf_relupool.recompute(bn_relu=True):
+        assert bn_relu.installed()
+        with tf_relupool.recompute():
+            assert not bn_relu.installed()
+        with tf_relupool.recompute(None):
+            assert not bn_relu.installed() and not keras_fusion.installed()
+        assert bn_relu.installed()
+    assert _hooked() == original
+    for bad in (dict(keep=None, bn_relu=True), dict(bn_relu="yes")):
+        with pytest.raises(ValueError, match="bn_relu"):
+            with tf_relupool.recompute(**bad):
+                pass
+    with pytest.raises(ValueError, match="bn_relu"):
+        tf_relupool.enable_recompute(bn_relu=1)
+
+
+# ---- the saving: XLA's temp buffer (one subprocess per model) ------------------------------
+
+_MEMORY = r"""
+import hashlib, json, os, sys
+sys.path.insert(0, sys.argv[1])
+import numpy as np, tensorflow as tf, keras, tf_relupool
+from tf_relupool import _example_models, bn_relu
+model_name, size, batch = sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+tf.config.set_visible_devices([], "GPU")
+keras.utils.set_random_seed(0)
+if model_name == "resnet":
+    model = _example_models.resnet(input_shape=(size, size, 3))
+else:
+    model = keras.applications.ResNet50(weights=None, input_shape=(size, size, 3))
+init = model.get_weights()
+rng = np.random.default_rng(0)
+x = tf.constant(rng.standard_normal((batch, size, size, 3)).astype("float32"))
+y = tf.constant(rng.integers(0, 10, (batch,)).astype("int32"))
+tvars = model.trainable_variables
+result = {}
+for variant, switch in [("stock", None), ("switch", {}), ("product", {"bn_relu": True})]:
+    if switch is None:
+        tf_relupool.disable_recompute()
+    else:
+        tf_relupool.enable_recompute(**switch)
+    model.set_weights(init)
+    def step(x, y):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(keras.losses.sparse_categorical_crossentropy(
+                y, model(x, training=True), from_logits=model_name == "resnet"))
+        grads = tape.gradient(loss, tvars)
+        for v, g in zip(tvars, grads):
+            v.assign_sub(0.01 * g)
+        return [loss] + grads
+    step.__name__ = "bnrelu_step_" + variant
+    step = tf.function(step, jit_compile=True)
+    digest = hashlib.sha256()
+    for _ in range(2):
+        for t in step(x, y):
+            digest.update(t.numpy().tobytes())
+    for w in model.weights:
+        digest.update(w.numpy().tobytes())
+    result[variant] = digest.hexdigest()
+result["recomputed"] = bn_relu.stats()["recomputed"]
+print("RESULT " + json.dumps(result))
+"""
+
+
+def _temp_sizes(model, size, batch, tmp_path):
+    dump = str(tmp_path / "dump")
+    env = dict(os.environ, XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") + f" --xla_dump_to={dump}"
+                                      " --xla_dump_hlo_as_text"
+                                      " --xla_dump_hlo_module_re=.*bnrelu_step.*").strip())
+    proc = subprocess.run([sys.executable, "-c", _MEMORY, os.path.dirname(HERE), model,
+                           str(size), str(batch)], capture_output=True, text=True, timeout=900,
+                          cwd=HERE, env=env)
+    lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
+    result = json.loads(lines[-1][len("RESULT "):])
+    xla_buffers = benchmarks_module("xla_buffers")
+    temps = {}
+    for variant in ("stock", "switch", "product"):
+        sizes = [s for name in os.listdir(dump)
+                 if f"bnrelu_step_{variant}" in name and name.endswith("buffer-assignment.txt")
+                 for _, s, kind in xla_buffers.allocations(os.path.join(dump, name))
+                 if "preallocated-temp" in kind]
+        assert sizes, (variant, sorted(os.listdir(dump))[:20])
+        temps[variant] = max(sizes)
+    return result, temps
+
+
+def test_example_resnet_temp_buffer_smaller_than_the_pool_switch_alone(tmp_path):
+    """The examples' ResNet-style CNN, 32x32, batch 32 (docs/bn_relu_recompute.md: stock
+    68.6 MiB, the switch 39.3, with bn_relu 36.0 on the 2-core Xeon): the same bits as stock,
+    the temp buffer below the switch's alone."""
+    result, temps = _temp_sizes("resnet", 32, 32, tmp_path)
+    assert result["product"] == result["stock"] == result["switch"]
+    assert result["recomputed"] == 6
+    assert temps["product"] < temps["switch"] < temps["stock"], temps
+
+
+@pytest.mark.slow
+def test_resnet50_temp_buffer_at_most_half_of_stocks(tmp_path):
+    """keras.applications.ResNet50 at 64x64, batch 4: the same bits as the switch alone (whose
+    stem differs from stock's in the last bits, docs/xla.md), the temp buffer at most half of
+    stock's (measured 25.1 against 75.3 MiB). Slow: three compilations in a fresh process,
+    about 55 s on the 2-core Xeon."""
+    result, temps = _temp_sizes("resnet50", 64, 4, tmp_path)
+    assert result["product"] == result["switch"]
+    assert temps["product"] <= 0.5 * temps["stock"], temps
+
+
+def test_enable_warns_where_keras_does_not_reach_the_hooks(monkeypatch, caplog):
+    """The probe at install: silent where Keras reaches the hooks; a warning naming what was not
+    reached where a hook is missing (here: only BatchNormalization's installed)."""
+    from keras.src.backend.tensorflow import nn
+    monkeypatch.setattr(bn_relu, "_probed", [])
+    with caplog.at_level(logging.WARNING, logger="tf_relupool"):
+        tf_relupool.enable_recompute(bn_relu=True)
+    assert not [r for r in caplog.records if "bn_relu=True" in r.getMessage()]
+    tf_relupool.disable_recompute()
+    caplog.clear()
+    monkeypatch.setattr(bn_relu, "_probed", [])
+    original = nn.conv
+    monkeypatch.setattr(bn_relu, "_targets",
+                        lambda: [(layers.BatchNormalization, "call", bn_relu._bn_call_wrapper)])
+    with caplog.at_level(logging.WARNING, logger="tf_relupool"):
+        tf_relupool.enable_recompute(bn_relu=True)
+    assert nn.conv is original
+    assert [r for r in caplog.records if "no segment at the ReLU" in r.getMessage()]
