@@ -242,6 +242,9 @@ def worker(args):
         try:
             from tf_relupool import keras_fusion
             result["fusion"] = keras_fusion.stats()
+            if VARIANTS[base].get("bn_relu"):
+                from tf_relupool import bn_relu
+                result["bn_relu"] = bn_relu.stats()
         except Exception as e:  # noqa: BLE001 - a description only
             result["fusion"] = {"error": str(e)}
     print_result(result)
