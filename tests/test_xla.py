@@ -557,7 +557,22 @@ def test_gradient_with_respect_to_the_relu_output_is_stock(other_consumer, pad, 
 
 def test_gradient_with_respect_to_the_relu_output_without_xla_is_stock():
     """Without XLA the Grappler pass decides: it leaves a pool whose MaxPoolGrad feeds more than
-    the ReLU's gradient (here: the gradient returned for `a`) unfused; stock's bits."""
+    the ReLU's gradient (here: the gradient returned for `a`) unfused; stock's bits. On a GPU
+    under TensorFlow's op determinism: without it two graphs of the same stock step need not
+    give the same bits there (cuDNN's choice per graph, atomics; a bias gradient differed in the
+    last bit, H200 2026-12-04)."""
+    gpu = bool(tf.config.list_physical_devices("GPU"))
+    if gpu:
+        tf.config.experimental.enable_op_determinism()
+    try:
+        _relu_output_gradient_without_xla()
+    finally:
+        if gpu:
+            from tensorflow.python.framework import config as tf_config
+            tf_config.disable_op_determinism()
+
+
+def _relu_output_gradient_without_xla():
     model = _activation_model(True)
     x = tf.random.stateless_normal((3, 10, 10, 3), seed=[9, 3])
 
