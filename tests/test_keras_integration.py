@@ -194,21 +194,16 @@ def test_overlapping_windows_after_a_conv_onednn_graph_order():
     MaxPoolGrad (TensorFlow's MklLayoutRewritePass puts oneDNN's pooling backward there) adds the
     gradients of windows that share their maximum in an order of its own, while its eager
     kernel, its Eigen kernels (oneDNN off) and tf_relupool add them in output order. The switch
-    (Grappler pass) in tf.function must equal stock's eager step in every quantity; stock's own
+    (Grappler pass) in tf.function must equal stock's eager loss and dz; stock's own
     graph may differ only at elements that are the maximum of three or more windows (where the
     order of additions can matter) and in what depends on them; with oneDNN off, stock's graph
-    equals its eager step too. A CPU-only process, as the oneDNN machines it is about: where a
-    GPU is visible, the check runs in a child process with the GPU hidden (a CPU-pinned graph on
-    a GPU machine gave another bias gradient, last bits, H200 2026-12-04: docs/gpu.md)."""
-    if not tf.config.list_physical_devices("GPU"):
+    equals its eager step too. The kernel and bias gradients are TensorFlow's graph-mode kernels
+    applied to dz: on an Intel Xeon with AMX (the H200 host, 2026-12-04) oneDNN gives the
+    bias gradient of a graph in another order than eager's (29 of 32 elements, last bits, for
+    the same dz), so they are compared with the same graph-mode kernels applied to stock eager's
+    dz. On the CPU (where oneDNN is), also when a GPU is visible."""
+    with tf.device("/CPU:0"):
         _onednn_graph_order()
-        return
-    env = dict(os.environ, CUDA_VISIBLE_DEVICES="-1")
-    code = (f"import sys; sys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r}); "
-            "import test_keras_integration as t; t._onednn_graph_order(); print('CHECKED')")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
-                          timeout=600)
-    assert proc.returncode == 0 and "CHECKED" in proc.stdout, proc.stderr[-3000:]
 
 
 def _onednn_graph_order():
@@ -225,9 +220,13 @@ def _onednn_graph_order():
     finally:
         tf_relupool.disable_recompute()
     names = ("loss", "dz", "kernel gradient", "bias gradient")
-    for name, got, want in zip(names, fused_graph, eager):
+    # What TensorFlow's graph computes from dz (oneDNN may merge the two into one kernel).
+    from_dz = tf.function(lambda x, g: [tf.raw_ops.Conv2DBackpropFilter(
+        input=x, filter_sizes=tf.shape(w), out_backprop=g, strides=[1, 1, 1, 1],
+        padding="SAME"), tf.raw_ops.BiasAddGrad(out_backprop=g)])(x, eager[1])
+    for name, got, want in zip(names, fused_graph, eager[:2] + from_dz):
         np.testing.assert_array_equal(got.numpy().view(np.uint32), want.numpy().view(np.uint32),
-                                      err_msg=f"switch in tf.function vs stock eager: {name}")
+                                      err_msg=f"switch in tf.function vs stock: {name}")
     # How many windows pick each element as their maximum (stock eager, dy = 1: exact counts).
     z = tf.nn.bias_add(tf.nn.conv2d(x, w, 1, "SAME"), b)
     with tf.GradientTape() as tape:
