@@ -1,6 +1,8 @@
-"""Throw-away prototype (issue 27): recompute relu(bn(z)) in the backward pass under XLA.
+"""Prototype and benchmark of the BN + ReLU recomputation: relu(bn(z)) recomputed in the
+backward pass under XLA.
 
-Not the product feature. A training step (tf.function(jit_compile=True), plain SGD) for
+The prototypes are not the product feature (tf_relupool/bn_relu.py, whose `product` variants
+run here). A training step (tf.function(jit_compile=True), plain SGD) for
   tiny      conv -> BN -> ReLU -> conv -> BN -> ReLU -> GAP -> dense (the HLO investigation)
   resnet    tf_relupool/_example_models.py's ResNet-style CNN
   resnet50  keras.applications.ResNet50(weights=None)
