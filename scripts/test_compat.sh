@@ -5,7 +5,8 @@
 # it (the newest; `2.21.0:3.10.0` pins Keras 3.10.0 instead, in venv-2.21-keras3.10.0), numpy,
 # pytest and hypothesis; a copy of this working tree (without .venv/.git/.tfgpu/build)
 # in $COMPAT_DIR/src-X.Y; a CPU-only build (TF_RELUPOOL_CUDA=0) installed into the venv; then
-# test_ops/layers/grappler/xla/loader from the copy's tests/ with 30 hypothesis examples.
+# the smoke subset below (ops, layers, the Grappler passes, patterns, XLA, loader, bn_relu) from
+# the copy's tests/ with 30 hypothesis examples.
 # Prints one summary line per release (logs: $COMPAT_DIR/X.Y-{install,build,test}.log) and exits
 # nonzero if any release fails. COMPAT_DIR defaults to build/compat under the repository root.
 set -euo pipefail
@@ -13,7 +14,7 @@ ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 COMPAT_DIR=${COMPAT_DIR:-$ROOT/build/compat}
 PYTHON=${PYTHON:-python3}
 SMOKE=(test_ops.py test_layers.py test_grappler.py test_fuse_relu_max_pool.py test_fold_transposes.py
-       test_patterns.py test_xla.py test_loader.py)
+       test_patterns.py test_xla.py test_loader.py test_bn_relu.py)
 [ $# -gt 0 ] || set -- 2.20.0
 mkdir -p "$COMPAT_DIR" && COMPAT_DIR=$(cd "$COMPAT_DIR" && pwd)
 

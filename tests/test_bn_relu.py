@@ -69,6 +69,10 @@ def _assert_same_training(got, ref, model):
         assert_bitwise_equal(w, r, f"{v.path} after {len(steps)} steps")
 
 
+def _tf_version():
+    return tuple(int(p) for p in tf.__version__.split(".")[:2])
+
+
 def _stock_and_product(model, batch, from_logits=True, reference=None):
     """Trains `model` as stock (or under `recompute(reference)`) and under
     enable_recompute(bn_relu=True); asserts bitwise equality; returns the change of
@@ -169,9 +173,14 @@ def test_keras_fit_bitwise():
 
 def test_example_resnet_bitwise_and_stem_stays_with_the_pool_fusion():
     """Seven BN + ReLU segments; the stem's ReLU feeds the max pool: the pool fusion takes it
-    (its G never gets a gradient), the six others recompute."""
+    (its G never gets a gradient), the six others recompute. Bitwise with stock on TensorFlow
+    2.21; on 2.20 with the switch alone, because there the pool switch's stem (conv -> BN ->
+    ReLU -> max pool) is not bitwise with stock under the CPU's XLA (the stem conv's kernel
+    gradient, 1054 of 1728 elements, last bits, measured 2026-12-04; docs/xla.md)."""
     keras.utils.set_random_seed(5)
-    delta = _stock_and_product(_example_models.resnet(input_shape=(16, 16, 3)), 4)
+    reference = None if _tf_version() >= (2, 21) else "argmax"
+    delta = _stock_and_product(_example_models.resnet(input_shape=(16, 16, 3)), 4,
+                               reference=reference)
     assert delta == dict(segments=7, convs=7, recomputed=6, stock=0, fused=1)
 
 
