@@ -6,6 +6,7 @@ steps and every variable after two SGD steps (BN's moving statistics included) h
 bytes. The memory checks read XLA's preallocated temp buffer from a dump of the step's buffer
 assignment (one subprocess per model: XLA reads its flags once per process).
 """
+import inspect
 import json
 import logging
 import os
@@ -71,6 +72,12 @@ def _assert_same_training(got, ref, model):
 
 def _tf_version():
     return tuple(int(p) for p in tf.__version__.split(".")[:2])
+
+
+# What a model whose BN -> ReLU feeds a max pool is compared with: stock on TensorFlow 2.21; the
+# switch alone on 2.20, whose CPU XLA sums BN's gamma/beta gradients below the pool switch's
+# stem in another order than stock's (docs/xla.md, "What XLA fuses into dz's reduction").
+_POOL_SWITCH_REFERENCE = None if _tf_version() >= (2, 21) else "argmax"
 
 
 def _stock_and_product(model, batch, from_logits=True, reference=None):
@@ -178,9 +185,8 @@ def test_example_resnet_bitwise_and_stem_stays_with_the_pool_fusion():
     ReLU -> max pool) is not bitwise with stock under the CPU's XLA (the stem conv's kernel
     gradient, 1054 of 1728 elements, last bits, measured 2026-12-04; docs/xla.md)."""
     keras.utils.set_random_seed(5)
-    reference = None if _tf_version() >= (2, 21) else "argmax"
     delta = _stock_and_product(_example_models.resnet(input_shape=(16, 16, 3)), 4,
-                               reference=reference)
+                               reference=_POOL_SWITCH_REFERENCE)
     assert delta == dict(segments=7, convs=7, recomputed=6, stock=0, fused=1)
 
 
@@ -297,6 +303,8 @@ def _block(bn_kwargs=None, relu=None, after=None, dtype=None):
 def test_not_covered_is_not_rewritten(case):
     bn_kwargs, relu, dtype = {}, None, None
     if case in ("renorm", "synchronized"):
+        if case not in inspect.signature(layers.BatchNormalization.__init__).parameters:
+            pytest.skip(f"this Keras ({keras.__version__}) has no BatchNormalization({case}=...)")
         bn_kwargs = {case: True}
     elif case == "mixed_bfloat16":
         dtype = "mixed_bfloat16"
@@ -330,7 +338,10 @@ def test_bn_output_read_by_two_relus_takes_stocks_route():
 
 
 def test_relu_that_feeds_a_max_pool_stays_with_the_pool_fusion():
-    delta = _stock_and_product(_block(after="pool"), 4)
+    """Compared with stock on TensorFlow 2.21, with the switch alone on 2.20, where the pool
+    switch's conv -> BN -> ReLU -> max pool is not bitwise with stock under the CPU's XLA (84 of
+    the first conv kernel's 288 gradient elements, 2026-12-04; docs/xla.md)."""
+    delta = _stock_and_product(_block(after="pool"), 4, reference=_POOL_SWITCH_REFERENCE)
     assert delta["fused"] == 1 and delta["recomputed"] == 0
 
 
@@ -462,11 +473,18 @@ def _temp_sizes(model, size, batch, tmp_path):
 def test_example_resnet_temp_buffer_smaller_than_the_pool_switch_alone(tmp_path):
     """The examples' ResNet-style CNN, 32x32, batch 32 (docs/bn_relu_recompute.md: stock
     68.6 MiB, the switch 39.3, with bn_relu 36.0 on the 2-core Xeon): the same bits as stock,
-    the temp buffer below the switch's alone."""
+    the temp buffer below the switch's alone. TensorFlow 2.20's CPU XLA: the switch's bits
+    (its stem differs from stock's there, docs/xla.md) and no saving beyond the switch's (59.6 MiB
+    both, stock 71.9; measured 2026-12-04, docs/bn_relu_recompute.md)."""
     result, temps = _temp_sizes("resnet", 32, 32, tmp_path)
-    assert result["product"] == result["stock"] == result["switch"]
+    assert result["product"] == result["switch"]
     assert result["recomputed"] == 6
-    assert temps["product"] < temps["switch"] < temps["stock"], temps
+    assert temps["switch"] < temps["stock"], temps
+    if _POOL_SWITCH_REFERENCE is None:  # TensorFlow 2.21
+        assert result["switch"] == result["stock"]
+        assert temps["product"] < temps["switch"], temps
+    else:
+        assert temps["product"] <= temps["switch"], temps
 
 
 @pytest.mark.slow
