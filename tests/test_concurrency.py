@@ -90,7 +90,8 @@ def test_many_threads_on_shared_inputs_give_identical_results(lib, graph):
         th.start()
     for th in threads:
         th.join()
-    assert not errors, f"{len(errors)} thread(s) failed; first: {type(errors[0]).__name__}: {errors[0]}"
+    assert not errors, (f"{len(errors)} thread(s) failed; first: "
+                        f"{type(errors[0]).__name__}: {errors[0]}")
 
 
 def test_first_load_from_many_threads_at_once(monkeypatch):
