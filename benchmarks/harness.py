@@ -157,8 +157,7 @@ def train_step(model, x, y, variant="stock"):
     if keep is None:
         return float(model.train_on_batch(x, y))
     import tf_relupool
-    extra = {"bn_relu": True} if VARIANTS[variant].get("bn_relu") else {}
-    with tf_relupool.recompute(keep, **extra):
+    with tf_relupool.recompute(keep, bn_relu=VARIANTS[variant].get("bn_relu", False)):
         return float(model.train_on_batch(x, y))
 
 

@@ -20,7 +20,7 @@ import tensorflow as tf
 from keras import layers
 
 import tf_relupool
-from tf_relupool import _example_models, bn_relu, gradient_sources, keras_fusion
+from tf_relupool import _example_models, _versions, bn_relu, gradient_sources, keras_fusion
 from conftest import assert_bitwise_equal, benchmarks_module
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -70,14 +70,10 @@ def _assert_same_training(got, ref, model):
         assert_bitwise_equal(w, r, f"{v.path} after {len(steps)} steps")
 
 
-def _tf_version():
-    return tuple(int(p) for p in tf.__version__.split(".")[:2])
-
-
 # What a model whose BN -> ReLU feeds a max pool is compared with: stock on TensorFlow 2.21; the
 # switch alone on 2.20, whose CPU XLA sums BN's gamma/beta gradients below the pool switch's
 # stem in another order than stock's (docs/xla.md, "What XLA fuses into dz's reduction").
-_POOL_SWITCH_REFERENCE = None if _tf_version() >= (2, 21) else "argmax"
+_POOL_SWITCH_REFERENCE = None if _versions.minor(tf.__version__) >= (2, 21) else "argmax"
 
 
 def _stock_and_product(model, batch, from_logits=True, reference=None):
