@@ -467,6 +467,7 @@ def worker(args):
         import tf_relupool
         tf_relupool.enable_recompute()
         variant = "stock"
+    keras.mixed_precision.set_global_policy(args.policy)
     model = build_model(args.model, args.size, remat=variant == "remat")
     model.set_weights([data[f"w{i}"] for i in range(len(model.weights))])
     x = tf.constant(data["x"])
@@ -571,6 +572,9 @@ def main(argv=None):
     p.add_argument("--size", type=int, default=None,
                    help="image size (default 16 tiny, 32 resnet, 224 resnet50)")
     p.add_argument("--steps", type=int, default=5, help="steps per variant (>= 3)")
+    p.add_argument("--policy", default="float32",
+                   choices=("float32", "mixed_float16", "mixed_bfloat16"),
+                   help="Keras' global dtype policy of the model (its weights stay float32)")
     p.add_argument("--variants", default=",".join(VARIANTS))
     p.add_argument("--nondeterministic", action="store_true",
                    help="GPU: leave out XLA_FLAGS=--xla_gpu_deterministic_ops=true (bitwise "
@@ -638,7 +642,7 @@ def main(argv=None):
         e["TF_CPP_MIN_LOG_LEVEL"] = "2"
         cmd = [sys.executable, os.path.abspath(__file__), "--worker", v, "--device", args.device,
                "--model", args.model, "--size", str(args.size), "--batch", str(args.batch),
-               "--steps", str(args.steps), "--init", init,
+               "--steps", str(args.steps), "--init", init, "--policy", args.policy,
                "--snap", os.path.join(tmp, f"{v}.npz"),
                "--result", os.path.join(tmp, f"{v}.json")] + (["--hlo"] if args.hlo else [])
         if args.parallel:
@@ -688,7 +692,7 @@ def main(argv=None):
         _print(args, r)
     if args.out:
         meta = dict(device=args.device, model=args.model, batch=args.batch, size=args.size,
-                    steps=args.steps, parallel=args.parallel,
+                    policy=args.policy, steps=args.steps, parallel=args.parallel,
                     deterministic=args.device == "gpu" and not args.nondeterministic,
                     xla_flags=os.environ.get("XLA_FLAGS", ""))
         try:

@@ -152,6 +152,26 @@ def test_bn_add_relu_bitwise_and_recomputed(shortcut):
     assert delta == dict(segments=2, convs=2, recomputed=2, stock=0, fused=0)
 
 
+@pytest.fixture
+def global_policy(request):
+    keras.mixed_precision.set_global_policy(request.param)
+    yield request.param
+    keras.mixed_precision.set_global_policy("float32")
+
+
+@pytest.mark.parametrize("global_policy", ["mixed_float16", "mixed_bfloat16"], indirect=True)
+@pytest.mark.parametrize("model", ["activation", "projection", "identity"])
+def test_mixed_precision_bitwise_and_recomputed(global_policy, model):
+    """Under a mixed policy Keras' BN normalizes in float32 between two casts; the recomputation
+    repeats them, and the gradient at the input's float32 cast is summed as stock sums it."""
+    built = _conv_bn_relu_conv("activation") if model == "activation" else _residual(model)
+    bns = [l for l in built.layers if isinstance(l, layers.BatchNormalization)]
+    assert bns and all(l.compute_dtype == global_policy[len("mixed_"):] for l in bns)
+    delta = _stock_and_product(built, 4)
+    n = 1 if model == "activation" else 2
+    assert delta == dict(segments=n, convs=n, recomputed=n, stock=0, fused=0)
+
+
 def test_keras_fit_bitwise():
     """model.fit with jit_compile=True: the weights after two epochs are stock's."""
     x, y = _data(_conv_bn_relu_conv(), 16)
@@ -295,15 +315,17 @@ def _block(bn_kwargs=None, relu=None, after=None, dtype=None):
 
 
 @pytest.mark.parametrize("case", ["renorm", "synchronized", "max_value", "relu6",
-                                  "negative_slope", "threshold", "mixed_bfloat16"])
+                                  "negative_slope", "threshold", "bn_float16_relu_float32"])
 def test_not_covered_is_not_rewritten(case):
     bn_kwargs, relu, dtype = {}, None, None
     if case in ("renorm", "synchronized"):
         if case not in inspect.signature(layers.BatchNormalization.__init__).parameters:
             pytest.skip(f"this Keras ({keras.__version__}) has no BatchNormalization({case}=...)")
         bn_kwargs = {case: True}
-    elif case == "mixed_bfloat16":
-        dtype = "mixed_bfloat16"
+    elif case == "bn_float16_relu_float32":
+        # the conv and BN under mixed_float16, the ReLU float32: Keras casts the BN's output up
+        # before the ReLU, whose input is then no BN output
+        dtype = "mixed_float16"
     else:
         relu = {"max_value": lambda: layers.ReLU(max_value=4.0),
                 "relu6": lambda: layers.ReLU(max_value=6.0),

@@ -10,16 +10,18 @@ While the switch is on with `bn_relu=True`, three trace-time hooks are installed
 turns off):
 
 - `keras.layers.BatchNormalization.call`: after stock's call, a BN whose case is covered
-  (training, trainable, no renorm, not synchronized, no mask, no dtype cast: the input's dtype is
-  the layer's compute dtype, float32 or float64) has its output y registered with the tensors
-  stock's `tf.nn.batch_normalization` made: y = z * inv + shift (read off the traced graph, so
-  they are stock's ops; BN's moving statistics are assigned by stock's call, untouched);
+  (training, trainable, no renorm, not synchronized, no mask, the input's dtype the layer's
+  compute dtype) has its output y registered with the tensors stock's
+  `tf.nn.batch_normalization` made: y = z * inv + shift (read off the traced graph, so they are
+  stock's ops; BN's moving statistics are assigned by stock's call, untouched). Under mixed
+  precision (float16 or bfloat16 input) Keras normalizes in float32: y = cast(z32 * inv + shift)
+  with z32 stock's float32 cast of the input, and z32 is what is registered;
 - Keras' `activations.ReLU.static_call` (what `layers.ReLU()`, `Activation("relu")` and
   `keras.activations.relu` call): a ReLU with default arguments whose input is a registered y,
   or the `Add` of a registered y with a registered y' (projection shortcut) or any other tensor
   of the same shape (a kept shortcut), becomes G, a `tf.custom_gradient` over
   relu(z * inv + shift [+ z' * inv' + shift' | + s]) computed with the same ops in the same
-  order as stock (Mul, AddV2, AddV2, Relu);
+  order as stock (Mul, AddV2, [Cast,] AddV2, Relu);
 - `keras.src.backend.tensorflow.nn.conv` (what `Conv2D` calls): a 2-D convolution (not grouped)
   of a G output becomes C, a custom gradient whose forward is stock's convolution and whose
   backward recomputes G's output for the kernel gradient (the input gradient needs the kernel
@@ -70,7 +72,7 @@ _patches = []  # [(owner, attribute, original, wrapper)] while installed
 _stats = collections.Counter()
 #: ops whose gradient reads none of their inputs' values: a ReLU output they read is not kept
 _KEEP_NOTHING = frozenset({"AddV2", "Add", "Mean", "Shape", "ShapeN", "Size", "Rank"})
-_DTYPES = ("float32", "float64")
+_DTYPES = ("float16", "bfloat16", "float32", "float64")
 
 
 class _Graphs:
@@ -246,20 +248,28 @@ def _bn_call_wrapper(original):
 
 
 def _register_bn(z, y):
-    """Registers y = z * inv + shift (stock's tf.nn.batch_normalization as traced)."""
+    """Registers y = z * inv + shift (stock's tf.nn.batch_normalization as traced), or, for a
+    float16/bfloat16 input (mixed precision), y = cast(cast(z, float32) * inv + shift): then the
+    registered z is stock's float32 cast of the input, so that the gradient at it is summed in
+    float32 (moments and normalization) before stock's cast back, as stock sums it."""
     import tensorflow as tf
     if not (isinstance(y, tf.Tensor) and isinstance(z, tf.Tensor)) or y.shape.rank != 4:
         return
-    if y.op.type != "AddV2" or y.op.inputs[0].op.type != "Mul":
+    norm = y.op.inputs[0] if y.op.type == "Cast" else y
+    if norm.op.type != "AddV2" or norm.op.inputs[0].op.type != "Mul":
         return
-    mul = y.op.inputs[0].op
-    if mul.inputs[0].name != z.name:
+    mul = norm.op.inputs[0].op
+    z_in = mul.inputs[0]
+    if norm is not y:  # mixed precision: z_in must be stock's cast of the BN input
+        if z_in.op.type != "Cast" or z_in.op.inputs[0].name != z.name or y.dtype != z.dtype:
+            return
+    elif z_in.name != z.name:
         return
-    inv, shift = mul.inputs[1], y.op.inputs[1]
-    if not (y.shape.is_fully_defined() and z.shape == y.shape
-            and inv.dtype == y.dtype and shift.dtype == y.dtype):
+    inv, shift = mul.inputs[1], norm.op.inputs[1]
+    if not (y.shape.is_fully_defined() and z_in.shape == y.shape
+            and inv.dtype == z_in.dtype and shift.dtype == z_in.dtype):
         return
-    _entry(y)["bn"][y.name] = (z, inv, shift)
+    _entry(y)["bn"][y.name] = (z_in, inv, shift)
 
 
 # ------------------------------------------------------------------------- ReLU: G
@@ -283,7 +293,9 @@ class Segment:
         values, i = [], 0
         for term in self.terms:
             if term[0] == "bn":
-                values.append(ts[i] * ts[i + 1] + ts[i + 2])
+                v = ts[i] * ts[i + 1] + ts[i + 2]
+                # mixed precision: stock's cast of the float32 normalization to the BN's dtype
+                values.append(v if v.dtype == term[1].dtype else tf.cast(v, term[1].dtype))
                 i += 3
             else:
                 values.append(ts[i])
