@@ -7,6 +7,7 @@ import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
+import contextlib
 import importlib.util
 import sys
 
@@ -259,6 +260,17 @@ def lib():
 
 BENCHMARKS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                           "benchmarks")
+
+
+@contextlib.contextmanager
+def global_policy(name):
+    """Keras' global dtype policy set to `name` inside the block, float32 again after it."""
+    import keras
+    keras.mixed_precision.set_global_policy(name)
+    try:
+        yield name
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
 
 
 def benchmarks_module(name):

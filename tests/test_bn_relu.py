@@ -21,7 +21,7 @@ from keras import layers
 
 import tf_relupool
 from tf_relupool import _example_models, _versions, bn_relu, gradient_sources, keras_fusion
-from conftest import assert_bitwise_equal, benchmarks_module
+from conftest import assert_bitwise_equal, benchmarks_module, global_policy
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 LR = 0.01
@@ -152,22 +152,17 @@ def test_bn_add_relu_bitwise_and_recomputed(shortcut):
     assert delta == dict(segments=2, convs=2, recomputed=2, stock=0, fused=0)
 
 
-@pytest.fixture
-def global_policy(request):
-    keras.mixed_precision.set_global_policy(request.param)
-    yield request.param
-    keras.mixed_precision.set_global_policy("float32")
-
-
-@pytest.mark.parametrize("global_policy", ["mixed_float16", "mixed_bfloat16"], indirect=True)
+@pytest.mark.parametrize("policy", ["mixed_float16", "mixed_bfloat16"])
 @pytest.mark.parametrize("model", ["activation", "projection", "identity"])
-def test_mixed_precision_bitwise_and_recomputed(global_policy, model):
+def test_mixed_precision_bitwise_and_recomputed(policy, model):
     """Under a mixed policy Keras' BN normalizes in float32 between two casts; the recomputation
-    repeats them, and the gradient at the input's float32 cast is summed as stock sums it."""
-    built = _conv_bn_relu_conv("activation") if model == "activation" else _residual(model)
-    bns = [l for l in built.layers if isinstance(l, layers.BatchNormalization)]
-    assert bns and all(l.compute_dtype == global_policy[len("mixed_"):] for l in bns)
-    delta = _stock_and_product(built, 4)
+    starts from stock's float32 cast of the input (where the gradient is summed as stock sums
+    it) and repeats the cast back."""
+    with global_policy(policy):
+        built = _conv_bn_relu_conv("activation") if model == "activation" else _residual(model)
+        bns = [l for l in built.layers if isinstance(l, layers.BatchNormalization)]
+        assert bns and all(l.compute_dtype == policy[len("mixed_"):] for l in bns)
+        delta = _stock_and_product(built, 4)
     n = 1 if model == "activation" else 2
     assert delta == dict(segments=n, convs=n, recomputed=n, stock=0, fused=0)
 

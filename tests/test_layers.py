@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 import tf_relupool
 from tf_relupool import ReluMaxPool2D
-from conftest import forward_and_input_grad, xla_hlo
+from conftest import forward_and_input_grad, global_policy, xla_hlo
 
 L = keras.layers
 
@@ -124,15 +124,12 @@ def test_mixed_precision_matches_stock(policy, keep):
     np.testing.assert_array_equal(np.asarray(y, "float32"), np.asarray(y_ref, "float32"))
     np.testing.assert_array_equal(dx, dx_ref)
     # Inside a mixed-precision model the output dtype is the policy's compute dtype.
-    keras.mixed_precision.set_global_policy(policy)
-    try:
+    with global_policy(policy):
         model = keras.Sequential([keras.Input((6, 6, 4)), L.Conv2D(4, 1), ReluMaxPool2D(keep=keep),
                                   L.Flatten(), L.Dense(2, dtype="float32")])
         out = model(x)
         assert model.layers[1].compute_dtype == compute and out.dtype == "float32"
         assert np.all(np.isfinite(out))
-    finally:
-        keras.mixed_precision.set_global_policy("float32")
 
 
 def small_model(keep):

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 import tf_relupool
 from tf_relupool import ReluMaxPool2D
 
-from conftest import assert_bitwise_equal, forward_and_input_grad
+from conftest import assert_bitwise_equal, forward_and_input_grad, global_policy
 from grappler_cases import PAD_STEP
 
 L = keras.layers
@@ -122,8 +122,7 @@ def test_nested_models_are_rewritten_recursively():
 @pytest.mark.parametrize("data_format,policy", [("channels_first", "float32"),
                                                 ("channels_last", "mixed_bfloat16")])
 def test_resnet_stem_channels_first_and_mixed_precision(data_format, policy):
-    keras.mixed_precision.set_global_policy(policy)
-    try:
+    with global_policy(policy):
         keras.utils.set_random_seed(5)
         inp = keras.Input((16, 16, 3))
         # The convolution stays channels_last: without oneDNN (TF_ENABLE_ONEDNN_OPTS=0, or CPUs
@@ -146,8 +145,6 @@ def test_resnet_stem_channels_first_and_mixed_precision(data_format, policy):
         assert fused.compute_dtype == model.get_layer("pool").compute_dtype
         assert_same_outputs(model, new)
         assert_weights_copied(model, new)
-    finally:
-        keras.mixed_precision.set_global_policy("float32")
 
 
 def test_shared_layer_is_not_linearized(caplog):
