@@ -296,6 +296,25 @@ def xla_hlo(fn, *args):
     return hlo
 
 
+def optimized_hlo_shape(fn, *args):
+    """The HLO XLA runs for `fn(*args)` under tf.function(jit_compile=True), after its
+    optimizations, with names and metadata removed and the lines sorted: two functions with the
+    same shape compile to the same fusions and instructions, so they give the same bits on every
+    CPU (the same code). Where two shapes differ, XLA's code can add in another order, which
+    shows only on some CPUs (an AVX2-only CPU's vector width, say)."""
+    import re
+    text = tf.function(fn, jit_compile=True).experimental_get_compiler_ir(*args)(
+        stage="optimized_hlo")
+    lines = []
+    for line in text.splitlines():
+        if line.startswith("HloModule"):
+            continue
+        line = re.sub(r", metadata=\{[^}]*\}", "", line)
+        line = re.sub(r"%[\w.\-]+", "%v", line)
+        lines.append(re.sub(r"\b(fused_computation|wrapped_\w+|region)[\w.]*", "f", line).strip())
+    return sorted(l for l in lines if l)
+
+
 def forward_and_input_grad(fn, loss=None):
     """A function of z: (fn(z), d<fn(z), 1>/dz), or with `loss` (fn(z), d loss(fn(z))/dz), for
     compiling both directions."""

@@ -309,7 +309,16 @@ class Segment:
         return tuple(t[1] for t in self.terms if t[0] == "bn") + (self.u,)
 
     def stock_reason(self):
-        """Why this segment's gradient must be stock's (module doc), or None."""
+        """Why this segment's gradient must be stock's (module doc), or None. Asked by G and by
+        every C of the segment, so that on stock's route neither recomputes: the graph is then
+        stock's, whose bits XLA's CPU code keeps on every CPU (a C recomputing beside G's stock
+        route changed the fusions, and an AVX2-only CPU's sums)."""
+        reason = self._graph_reason()
+        if reason is None and gradient_sources.route(self.skipped()) != gradient_sources.FUSED:
+            reason = "the gradient is taken with respect to a skipped tensor, or unknown"
+        return reason
+
+    def _graph_reason(self):
         ours = _entry(self.output)["ops"]
         for op in self.output.consumers():
             if op.name not in ours and op.type not in _KEEP_NOTHING:
@@ -390,9 +399,6 @@ def _segment(u):
 
         def _grad(da):
             reason = seg.stock_reason()
-            if reason is None and (gradient_sources.route(seg.skipped())
-                                   != gradient_sources.FUSED):
-                reason = "the gradient is taken with respect to a skipped tensor, or unknown"
             if reason is None:
                 _stats["recomputed"] += 1
                 # No barrier here: XLA merges this copy with the forward's and, as in stock,
