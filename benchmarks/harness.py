@@ -75,8 +75,9 @@ measure_steps, step_figures = _h.measure_steps, _h.step_figures
 
 # tf_relupool/_example_models.py's CIFAR-10 models (32x32x3, 10 classes), then
 # keras.applications models at 224x224x3 with 1000 classes (weights=None), as users train them.
-MODELS = ("simple", "vgg", "resnet", "vgg16", "resnet50")
-APPLICATIONS = {"vgg16": "VGG16", "resnet50": "ResNet50"}
+MODELS = ("simple", "vgg", "resnet", "vgg16", "resnet50", "mobilenetv2", "efficientnetb0")
+APPLICATIONS = {"vgg16": "VGG16", "resnet50": "ResNet50", "mobilenetv2": "MobileNetV2",
+                "efficientnetb0": "EfficientNetB0"}
 # Each variant: the model (stock, or rewrite_model(keep=...)), the switch during its steps, how
 # it is compiled (jit_compile=False, or Keras' default "auto": XLA whenever a GPU is visible),
 # and whether its layers are built under keras.RematScope(mode="activations").
@@ -90,6 +91,7 @@ VARIANTS = {
     "default-layer": {"keep": "argmax", "switch": None, "jit": "auto"},
     "default-remat": {"keep": None, "switch": None, "jit": "auto", "remat": True},
     "default-switch-bn": {"keep": None, "switch": "argmax", "jit": "auto", "bn_relu": True},
+    "default-switch-act": {"keep": None, "switch": "argmax", "jit": "auto", "activations": True},
 }
 VARIANT_LABELS = {"stock": "stock", "argmax": "fused argmax", "input": "fused input",
                   "switch": "stock + enable_recompute()",
@@ -98,7 +100,9 @@ VARIANT_LABELS = {"stock": "stock", "argmax": "fused argmax", "input": "fused in
                   "default-layer": "rewrite_model (ReluMaxPool2D), Keras default compile",
                   "default-remat": "keras.RematScope(activations), Keras default compile",
                   "default-switch-bn": "stock + enable_recompute(bn_relu=True), Keras default "
-                                       "compile"}
+                                       "compile",
+                  "default-switch-act": "stock + enable_recompute(activations=True), Keras "
+                                        "default compile"}
 SWITCHED = {v: spec["switch"] for v, spec in VARIANTS.items() if spec["switch"]}
 
 
@@ -157,7 +161,9 @@ def train_step(model, x, y, variant="stock"):
     if keep is None:
         return float(model.train_on_batch(x, y))
     import tf_relupool
-    with tf_relupool.recompute(keep, bn_relu=VARIANTS[variant].get("bn_relu", False)):
+    spec = VARIANTS[variant]
+    with tf_relupool.recompute(keep, activations=spec.get("activations", False),
+                               bn_relu=spec.get("bn_relu", False)):
         return float(model.train_on_batch(x, y))
 
 

@@ -98,9 +98,11 @@ LEVERS = {
 # Per model: (memory limit MiB, granularity, lowest, highest batch tried).
 SEARCH = {"simple": (2048, 256, 256, 8192), "vgg": (2048, 128, 128, 4096),
           "resnet": (2048, 128, 128, 4096), "vgg16": (4096, 8, 8, 96),
-          "resnet50": (4096, 8, 8, 128)}
+          "resnet50": (4096, 8, 8, 128), "mobilenetv2": (4096, 8, 8, 256),
+          "efficientnetb0": (4096, 8, 8, 256)}
 # Batch of the unlimited measurement per model (as docs/xla.md's tables).
-MEASURE_BATCH = {"simple": 1024, "vgg": 1024, "resnet": 1024, "vgg16": 32, "resnet50": 32}
+MEASURE_BATCH = {"simple": 1024, "vgg": 1024, "resnet": 1024, "vgg16": 32, "resnet50": 32,
+                 "mobilenetv2": 32, "efficientnetb0": 32}
 _OOM_BYTES = re.compile(r"(?:allocate|allocating)\s+([0-9.]+)\s*([KMG]i?B|B|bytes)", re.I)
 
 
@@ -242,9 +244,9 @@ def worker(args):
         try:
             from tf_relupool import keras_fusion
             result["fusion"] = keras_fusion.stats()
-            if VARIANTS[base].get("bn_relu"):
-                from tf_relupool import bn_relu
-                result["bn_relu"] = bn_relu.stats()
+            if VARIANTS[base].get("bn_relu") or VARIANTS[base].get("activations"):
+                from tf_relupool import segments
+                result["bn_relu"] = segments.stats()
         except Exception as e:  # noqa: BLE001 - a description only
             result["fusion"] = {"error": str(e)}
     print_result(result)

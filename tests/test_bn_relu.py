@@ -20,7 +20,7 @@ import tensorflow as tf
 from keras import layers
 
 import tf_relupool
-from tf_relupool import _example_models, _versions, bn_relu, gradient_sources, keras_fusion
+from tf_relupool import _example_models, _versions, gradient_sources, keras_fusion, segments
 from conftest import assert_bitwise_equal, benchmarks_module, global_policy, optimized_hlo_shape
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -79,15 +79,15 @@ _POOL_SWITCH_REFERENCE = None if _versions.minor(tf.__version__) >= (2, 21) else
 def _stock_and_product(model, batch, from_logits=True, reference=None):
     """Trains `model` as stock (or under `recompute(reference)`) and under
     enable_recompute(bn_relu=True); asserts bitwise equality; returns the change of
-    bn_relu.stats() and keras_fusion.stats() in the product."""
+    segments.stats() and keras_fusion.stats() in the product."""
     init = model.get_weights()
     x, y = _data(model, batch)
     with tf_relupool.recompute(reference):
         ref = _train(model, x, y, init, from_logits=from_logits)
-    before, fused = bn_relu.stats(), keras_fusion.stats()["fused"]
+    before, fused = segments.stats(), keras_fusion.stats()["fused"]
     with tf_relupool.recompute(bn_relu=True):
         got = _train(model, x, y, init, from_logits=from_logits)
-    after = bn_relu.stats()
+    after = segments.stats()
     _assert_same_training(got, ref, model)
     delta = {k: after[k] - before[k] for k in ("segments", "convs", "recomputed", "stock")}
     delta["fused"] = keras_fusion.stats()["fused"] - fused
@@ -180,9 +180,9 @@ def test_keras_fit_bitwise():
             model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
         return model.get_weights()
     ref = fit(keep=None)
-    before = bn_relu.stats()["recomputed"]
+    before = segments.stats()["recomputed"]
     got = fit(bn_relu=True)
-    assert bn_relu.stats()["recomputed"] > before
+    assert segments.stats()["recomputed"] > before
     for g, r in zip(got, ref):
         assert_bitwise_equal(g, r)
 
@@ -251,10 +251,10 @@ def test_gradient_with_respect_to_a_skipped_tensor_is_stock(which, symbolic):
     x, _ = _data(model, 3)
     ref = tf.function(_grads_wrt_inner(model, x, symbolic), jit_compile=True)(x)
     model.set_weights(init)
-    before, routes = bn_relu.stats(), gradient_sources.stats()
+    before, routes = segments.stats(), gradient_sources.stats()
     with tf_relupool.recompute(bn_relu=True):
         got = tf.function(_grads_wrt_inner(model, x, symbolic), jit_compile=True)(x)
-    after, now = bn_relu.stats(), gradient_sources.stats()
+    after, now = segments.stats(), gradient_sources.stats()
     assert after["segments"] == before["segments"] + 1
     if which == "relu":
         assert after["recomputed"] == before["recomputed"] + 1
@@ -287,11 +287,11 @@ def test_jacobians_are_stock():
     init = model.get_weights()
     ref = tf.function(jacobians, jit_compile=True)(x)
     model.set_weights(init)
-    before = bn_relu.stats()
+    before = segments.stats()
     with tf_relupool.recompute(bn_relu=True):
         got = tf.function(jacobians, jit_compile=True)(x)
-    assert bn_relu.stats()["segments"] == before["segments"] + 1
-    assert bn_relu.stats()["recomputed"] == before["recomputed"]
+    assert segments.stats()["segments"] == before["segments"] + 1
+    assert segments.stats()["recomputed"] == before["recomputed"]
     for g, r in zip(got, ref):
         assert_bitwise_equal(g, r)
 
@@ -308,11 +308,11 @@ def test_stock_route_compiles_to_stock_hlo(case):
     fn = (_jacobians(model) if case == "jacobians"
           else _grads_wrt_inner(model, x, symbolic=case.endswith("symbolic")))
     ref = optimized_hlo_shape(fn, x)
-    before = bn_relu.stats()
+    before = segments.stats()
     with tf_relupool.recompute(bn_relu=True):
         got = optimized_hlo_shape(fn, x)
-    assert bn_relu.stats()["stock"] > before["stock"]
-    assert bn_relu.stats()["recomputed"] == before["recomputed"]
+    assert segments.stats()["stock"] > before["stock"]
+    assert segments.stats()["recomputed"] == before["recomputed"]
     assert got == ref
 
 
@@ -345,8 +345,7 @@ def _block(bn_kwargs=None, relu=None, after=None, dtype=None):
     return keras.Model(inputs, layers.Dense(10, dtype=dtype)(x))
 
 
-@pytest.mark.parametrize("case", ["renorm", "synchronized", "max_value", "relu6",
-                                  "negative_slope", "threshold", "bn_float16_relu_float32"])
+@pytest.mark.parametrize("case", ["renorm", "synchronized", "bn_float16_relu_float32"])
 def test_not_covered_is_not_rewritten(case):
     bn_kwargs, relu, dtype = {}, None, None
     if case in ("renorm", "synchronized"):
@@ -357,11 +356,6 @@ def test_not_covered_is_not_rewritten(case):
         # the conv and BN under mixed_float16, the ReLU float32: Keras casts the BN's output up
         # before the ReLU, whose input is then no BN output
         dtype = "mixed_float16"
-    else:
-        relu = {"max_value": lambda: layers.ReLU(max_value=4.0),
-                "relu6": lambda: layers.ReLU(max_value=6.0),
-                "negative_slope": lambda: layers.ReLU(negative_slope=0.1),
-                "threshold": lambda: layers.ReLU(threshold=0.5)}[case]
     delta = _stock_and_product(_block(bn_kwargs, relu, dtype=dtype), 4)
     assert delta == dict(segments=0, convs=0, recomputed=0, stock=0, fused=0)
 
@@ -402,17 +396,17 @@ def test_bn_with_a_mask_inference_and_no_xla_are_not_rewritten():
     mask = tf.constant(np.random.default_rng(0).random((2, 6, 6)) > 0.3)
     calls = {"mask": lambda x: relu(bn(conv(x), training=True, mask=mask)),
              "inference": lambda x: relu(bn(conv(x), training=False))}
-    before = bn_relu.stats()["segments"]
+    before = segments.stats()["segments"]
     with tf_relupool.recompute(bn_relu=True):
         for name, fn in calls.items():
             tf.function(fn, jit_compile=True).get_concrete_function(x)
-            assert bn_relu.stats()["segments"] == before, name
+            assert segments.stats()["segments"] == before, name
         tf.function(calls["inference"]).get_concrete_function(x)
         tf.function(lambda x: relu(bn(conv(x), training=True))).get_concrete_function(x)
-        assert bn_relu.stats()["segments"] == before, "without XLA"
+        assert segments.stats()["segments"] == before, "without XLA"
         tf.function(lambda x: relu(bn(conv(x), training=True)),
                     jit_compile=True).get_concrete_function(x)
-        assert bn_relu.stats()["segments"] == before + 1, "the same under XLA"
+        assert segments.stats()["segments"] == before + 1, "the same under XLA"
 
 
 # ---- the switch's contract ----------------------------------------------------------------
@@ -426,19 +420,19 @@ def _hooked():
 def test_hooks_installed_only_with_bn_relu_and_removed_by_disable():
     original = _hooked()
     tf_relupool.enable_recompute()
-    assert not bn_relu.installed() and _hooked() == original
+    assert not segments.installed() and _hooked() == original
     tf_relupool.enable_recompute(bn_relu=True)
-    assert bn_relu.installed() and keras_fusion.installed()
+    assert segments.installed() and keras_fusion.installed()
     assert all(h is not o for h, o in zip(_hooked(), original))
     tf_relupool.disable_recompute()
-    assert not bn_relu.installed() and _hooked() == original
+    assert not segments.installed() and _hooked() == original
     with tf_relupool.recompute(bn_relu=True):
-        assert bn_relu.installed()
+        assert segments.installed()
         with tf_relupool.recompute():
-            assert not bn_relu.installed()
+            assert not segments.installed()
         with tf_relupool.recompute(None):
-            assert not bn_relu.installed() and not keras_fusion.installed()
-        assert bn_relu.installed()
+            assert not segments.installed() and not keras_fusion.installed()
+        assert segments.installed()
     assert _hooked() == original
     for bad in (dict(keep=None, bn_relu=True), dict(bn_relu="yes")):
         with pytest.raises(ValueError, match="bn_relu"):
@@ -454,7 +448,7 @@ _MEMORY = r"""
 import hashlib, json, os, sys
 sys.path.insert(0, sys.argv[1])
 import numpy as np, tensorflow as tf, keras, tf_relupool
-from tf_relupool import _example_models, bn_relu
+from tf_relupool import _example_models, segments
 model_name, size, batch = sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
 tf.config.set_visible_devices([], "GPU")
 keras.utils.set_random_seed(0)
@@ -491,7 +485,7 @@ for variant, switch in [("stock", None), ("switch", {}), ("product", {"bn_relu":
     for w in model.weights:
         digest.update(w.numpy().tobytes())
     result[variant] = digest.hexdigest()
-result["recomputed"] = bn_relu.stats()["recomputed"]
+result["recomputed"] = segments.stats()["recomputed"]
 print("RESULT " + json.dumps(result))
 """
 
@@ -551,16 +545,16 @@ def test_enable_warns_where_keras_does_not_reach_the_hooks(monkeypatch, caplog):
     """The probe at install: silent where Keras reaches the hooks; a warning naming what was not
     reached where a hook is missing (here: only BatchNormalization's installed)."""
     from keras.src.backend.tensorflow import nn
-    monkeypatch.setattr(bn_relu, "_probed", [])
+    monkeypatch.setattr(segments, "_probed", [])
     with caplog.at_level(logging.WARNING, logger="tf_relupool"):
         tf_relupool.enable_recompute(bn_relu=True)
-    assert not [r for r in caplog.records if "bn_relu=True" in r.getMessage()]
+    assert not [r for r in caplog.records if "activations=True" in r.getMessage()]
     tf_relupool.disable_recompute()
     caplog.clear()
-    monkeypatch.setattr(bn_relu, "_probed", [])
+    monkeypatch.setattr(segments, "_probed", [])
     original = nn.conv
-    monkeypatch.setattr(bn_relu, "_targets",
-                        lambda: [(layers.BatchNormalization, "call", bn_relu._bn_call_wrapper)])
+    monkeypatch.setattr(segments, "_targets",
+                        lambda: [(layers.BatchNormalization, "call", segments._bn_call_wrapper)])
     with caplog.at_level(logging.WARNING, logger="tf_relupool"):
         tf_relupool.enable_recompute(bn_relu=True)
     assert nn.conv is original

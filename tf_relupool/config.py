@@ -38,7 +38,7 @@ import os
 import threading
 import warnings
 
-from tf_relupool import _state, autotune_cache, bn_relu as _bn_relu, grappler, keras_fusion
+from tf_relupool import _state, autotune_cache, grappler, keras_fusion, segments
 from tf_relupool._state import KEEP_ARGMAX, KEEP_INPUT
 
 ENV_VAR = "TF_RELUPOOL_RECOMPUTE"
@@ -62,7 +62,7 @@ def parse_env_value(value):
         f"{ENV_VAR}={value!r} is not understood; use one of '0'/'off', '1'/'argmax', 'input'")
 
 
-def enable_recompute(keep=KEEP_ARGMAX, bn_relu=False):
+def enable_recompute(keep=KEEP_ARGMAX, activations=False, bn_relu=None):
     """Turns the switch on: `ReluMaxPool2D(keep=None)` layers run the fused op, and stock
     relu + max_pool pairs are fused in functions traced afterwards: inside XLA-compiled ones
     (Keras' default compile on a GPU) where Keras' max pooling is traced (docs/xla.md), in
@@ -73,11 +73,14 @@ def enable_recompute(keep=KEEP_ARGMAX, bn_relu=False):
         per pooled element (1 byte for windows of fewer than 255 positions), neither the input
         nor its ReLU. "input": the pre-ReLU input, from which the backward recomputes the argmax
         (SystemML's recomputation of activations).
-      bn_relu: also recompute Keras' BatchNormalization (training) + ReLU (`ReLU()`,
-        `Activation("relu")`, after an `Add` too) in the backward pass, inside XLA-compiled
-        functions only, instead of keeping the ReLU's output for the next Conv2D: stock's bits,
-        less memory, some elementwise work more (tf_relupool/bn_relu.py,
-        docs/bn_relu_recompute.md). Off by default until GPU measurements show it is free.
+      activations: also recompute, in the backward pass and inside XLA-compiled functions
+        only, the activations after Keras' BatchNormalization (training), after an `Add` of one,
+        and an SE gate's multiply, instead of keeping their outputs for the next convolution or
+        Dense layer: ReLU in every form (relu6, leaky), ELU, SELU, swish, GELU, hard sigmoid,
+        hard swish, sigmoid, tanh, softplus, mish (tf_relupool/segment_table.py). Stock's bits,
+        less memory, some elementwise work more (tf_relupool/segments.py,
+        docs/bn_relu_recompute.md). Turn it on whenever the batch does not fit.
+      bn_relu: the name `activations` had when only BN + ReLU was covered; either turns it on.
 
     On a GPU it also points XLA at a persistent autotune cache, so that a later run at the same
     batch does not autotune again: under a tight memory budget the first step's autotuning
@@ -91,14 +94,15 @@ def enable_recompute(keep=KEEP_ARGMAX, bn_relu=False):
     reach tf_relupool's wrappers (a probe traces a tiny ReLU + max pool; docs/xla.md).
 
     Raises:
-      ValueError: `keep` is not "argmax" or "input", or `bn_relu` is not a bool.
+      ValueError: `keep` is not "argmax" or "input", or `activations` (`bn_relu`) is not a
+        bool.
     """
-    _set(_state.check_keep(keep, allow_bool=True), _check_bn_relu(bn_relu))
+    _set(_state.check_keep(keep, allow_bool=True), _check_activations(activations, bn_relu))
 
 
 def disable_recompute():
     """Turns the switch off: `ReluMaxPool2D(keep=None)` layers run stock relu + max_pool, and
-    BatchNorm + ReLU are no longer recomputed (`bn_relu`)."""
+    activations are no longer recomputed (`activations`)."""
     _set(None)
 
 
@@ -113,12 +117,12 @@ def recompute_enabled():
 
 
 @contextlib.contextmanager
-def recompute(keep=KEEP_ARGMAX, bn_relu=False):
+def recompute(keep=KEEP_ARGMAX, activations=False, bn_relu=None):
     """Context manager: sets the switch for the duration of the block, then restores it.
 
     `keep` is "argmax" (default) or "input" to turn it on, None or False to turn it off
-    temporarily; `bn_relu` as for `enable_recompute` (only with the switch on). Affects what is
-    traced inside the block:
+    temporarily; `activations` (`bn_relu`) as for `enable_recompute` (only with the switch
+    on). Affects what is traced inside the block:
 
     >>> with tf_relupool.recompute():            # fused, keeping 1-byte argmax codes
     ...     model.compile(...); model.fit(...)
@@ -126,13 +130,14 @@ def recompute(keep=KEEP_ARGMAX, bn_relu=False):
     ...     ...
 
     Raises:
-      ValueError: `keep` is not "argmax", "input", None or False; `bn_relu` is not a bool, or
-        True with the switch off.
+      ValueError: `keep` is not "argmax", "input", None or False; `activations` (`bn_relu`) is
+        not a bool, or True with the switch off.
     """
     keep = _state.check_keep(keep, allow_none=True, allow_bool=True)
-    on = _check_bn_relu(bn_relu)
+    on = _check_activations(activations, bn_relu)
     if on and keep is None:
-        raise ValueError("`bn_relu=True` needs the switch on; received keep=None")
+        name = "bn_relu" if bn_relu else "activations"
+        raise ValueError(f"`{name}=True` needs the switch on; received keep=None")
     previous = _set(keep, on)
     try:
         yield keep
@@ -140,11 +145,13 @@ def recompute(keep=KEEP_ARGMAX, bn_relu=False):
         _set(*previous)
 
 
-def _check_bn_relu(bn_relu):
-    if not isinstance(bn_relu, bool):
-        raise ValueError(f"The `bn_relu` argument must be True or False. Received: "
-                         f"bn_relu={bn_relu!r}")
-    return bn_relu
+def _check_activations(activations, bn_relu=None):
+    """`activations or bn_relu`, each checked to be a bool (bn_relu: None when not given)."""
+    for name, value in (("activations", activations), ("bn_relu", bn_relu)):
+        if not isinstance(value, bool) and not (name == "bn_relu" and value is None):
+            raise ValueError(f"The `{name}` argument must be True or False. Received: "
+                             f"{name}={value!r}")
+    return activations or bool(bn_relu)
 
 
 def _set(keep, bn_relu=False, at_import=False):
@@ -166,7 +173,7 @@ def _notify_routes(at_import=False):
     if mode is not None:  # before the probe below may start TensorFlow's GPU
         autotune_cache.install()
     keras_fusion.set_enabled(mode is not None, probe_now=not at_import)
-    _bn_relu.set_enabled(_state.bn_relu())
+    segments.set_enabled(_state.bn_relu())
     grappler.set_mode(mode)
 
 

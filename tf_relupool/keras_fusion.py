@@ -48,7 +48,7 @@ import threading
 
 import numpy as np
 
-from tf_relupool import _geometry, _state, bn_relu, gradient_sources, patterns
+from tf_relupool import _geometry, _state, gradient_sources, patterns, segments
 
 logger = logging.getLogger("tf_relupool")
 
@@ -199,7 +199,7 @@ def _match(tensor, roles):
     skipped = []
     for i, role in enumerate(roles):
         if role == "relu" and i == len(roles) - 1:
-            u = bn_relu.relu_input(tensor)  # a BatchNorm + ReLU segment's output (bn_relu.py)
+            u = segments.relu_input(tensor)  # an activation segment's output (segments.py)
             if u is not None:
                 return u, pad, tuple(skipped + [tensor])
         op = getattr(tensor, "op", None)

@@ -1,0 +1,246 @@
+"""tf_relupool/segments.py and segment_table.py: every activation, consumer and extender of the
+tables, recomputed under XLA on the CPU and bitwise with stock.
+
+Reference: the same Keras model trained by stock Keras under tf.function(jit_compile=True), from
+the same weights and data (test_bn_relu's `_stock_and_product`: both steps' losses, every
+gradient and every weight after two SGD steps, bit for bit). A recomputed activation whose
+bits differed from the forward's would show in the next convolution's kernel gradient, which C
+computes from the recomputation. The memory checks read XLA's preallocated temp buffer from a
+dump of the step's buffer assignment, one subprocess per variant (XLA reads its flags once per
+process; Dropout's seeds then match too).
+"""
+import json
+import os
+import subprocess
+import sys
+
+import keras
+import pytest
+import tensorflow as tf
+from keras import layers
+
+import tf_relupool
+from tf_relupool import segment_table, segments
+from conftest import benchmarks_module, global_policy
+from test_bn_relu import _stock_and_product
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+@pytest.fixture(autouse=True)
+def switch_off():
+    tf_relupool.disable_recompute()
+    yield
+    tf_relupool.disable_recompute()
+
+
+# Every row of segment_table.ACTIVATIONS, in its Keras forms: (table name, layer factory).
+ACTIVATION_CASES = {
+    "relu": [lambda: layers.ReLU(), lambda: layers.Activation("relu"),
+             lambda: layers.Lambda(lambda x: keras.ops.relu(x))],
+    "relu(max_value)": [lambda: layers.ReLU(max_value=4.0)],
+    "relu(negative_slope, threshold)": [lambda: layers.ReLU(negative_slope=0.1),
+                                        lambda: layers.ReLU(threshold=0.5)],
+    "relu6": [lambda: layers.ReLU(6.0), lambda: layers.Activation("relu6")],
+    "leaky_relu": [lambda: layers.LeakyReLU(0.2), lambda: layers.Activation("leaky_relu")],
+    "elu": [lambda: layers.ELU(), lambda: layers.Activation("elu")],
+    "selu": [lambda: layers.Activation("selu")],
+    "silu": [lambda: layers.Activation("swish"), lambda: layers.Activation("silu"),
+             lambda: layers.Lambda(lambda x: keras.activations.silu(x))],
+    "gelu": [lambda: layers.Activation("gelu"),
+             lambda: layers.Lambda(lambda x: keras.activations.gelu(x, approximate=False))],
+    "hard_sigmoid": [lambda: layers.Activation("hard_sigmoid")],
+    "hard_silu": [lambda: layers.Activation("hard_swish"), lambda: layers.Activation("hard_silu")],
+    "sigmoid": [lambda: layers.Activation("sigmoid")],
+    "tanh": [lambda: layers.Activation("tanh")],
+    "softplus": [lambda: layers.Activation("softplus")],
+    "mish": [lambda: layers.Activation("mish")],
+}
+_CASES = [(name, i) for name, forms in ACTIVATION_CASES.items() for i in range(len(forms))]
+
+
+def test_every_table_row_has_a_case():
+    """Adding an activation to the table without a case here fails."""
+    names = {row.name for row in segment_table.ACTIVATIONS}
+    assert names <= set(ACTIVATION_CASES), names - set(ACTIVATION_CASES)
+
+
+def _block(act, consumer="conv", data_format="channels_last", dtype=None, size=10):
+    """conv -> BN -> act -> consumer -> GAP -> Dense."""
+    keras.utils.set_random_seed(3)
+    shape = (size, size, 4) if data_format == "channels_last" else (4, size, size)
+    x = inputs = keras.Input(shape)
+    x = layers.Conv2D(8, 3, padding="same", use_bias=False, data_format=data_format,
+                      dtype=dtype)(x)
+    x = layers.BatchNormalization(axis=-1 if data_format == "channels_last" else 1,
+                                  dtype=dtype)(x)
+    x = act()(x)
+    x = {"conv": lambda: layers.Conv2D(8, 3, padding="same", data_format=data_format,
+                                       dtype=dtype),
+         "depthwise": lambda: layers.DepthwiseConv2D(3, padding="same", dtype=dtype),
+         "separable": lambda: layers.SeparableConv2D(8, 3, padding="same", dtype=dtype),
+         "transpose": lambda: layers.Conv2DTranspose(8, 3, strides=2, padding="same",
+                                                     dtype=dtype),
+         "dense": lambda: layers.Dense(8, dtype=dtype)}[consumer]()(x)
+    x = layers.GlobalAveragePooling2D(data_format=data_format, dtype=dtype)(x)
+    return keras.Model(inputs, layers.Dense(10, dtype="float32")(x))
+
+
+@pytest.mark.parametrize("name,form", _CASES)
+def test_activation_is_recomputed_and_bitwise(name, form):
+    before = segments.stats()["by_activation"].get(name, 0)
+    delta = _stock_and_product(_block(ACTIVATION_CASES[name][form]), 4)
+    assert delta == dict(segments=1, convs=1, recomputed=1, stock=0, fused=0)
+    assert segments.stats()["by_activation"].get(name, 0) == before + 1
+
+
+@pytest.mark.parametrize("consumer", ["depthwise", "separable", "transpose", "dense"])
+@pytest.mark.parametrize("act", ["relu6", "silu"])
+def test_every_consumer(consumer, act):
+    """Each consumer of the table recomputes its segment for its kernel's gradient."""
+    delta = _stock_and_product(_block(ACTIVATION_CASES[act][0], consumer), 4)
+    assert delta == dict(segments=1, convs=1, recomputed=1, stock=0, fused=0)
+
+
+@pytest.mark.parametrize("policy", ["mixed_float16", "mixed_bfloat16"])
+@pytest.mark.parametrize("act", ["relu6", "silu", "gelu"])
+def test_mixed_precision(policy, act):
+    with global_policy(policy):
+        delta = _stock_and_product(_block(ACTIVATION_CASES[act][0]), 4)
+    assert delta == dict(segments=1, convs=1, recomputed=1, stock=0, fused=0)
+
+
+def test_channels_first():
+    delta = _stock_and_product(_block(ACTIVATION_CASES["silu"][0],
+                                      data_format="channels_first"), 4)
+    assert delta == dict(segments=1, convs=1, recomputed=1, stock=0, fused=0)
+
+
+def _mbconv(act="swish", se=True, pad=False):
+    """EfficientNet's MBConv (expand, depthwise, squeeze-and-excitation, project) or, without
+    SE and with ReLU(6.), MobileNetV2's inverted residual; `pad`: the stride-2 form with
+    ZeroPadding2D before the depthwise conv."""
+    keras.utils.set_random_seed(5)
+    make = (lambda: layers.ReLU(6.0)) if act == "relu6" else (lambda: layers.Activation(act))
+    x = inputs = keras.Input((12, 12, 8))
+    x = make()(layers.BatchNormalization()(layers.Conv2D(16, 1, use_bias=False)(x)))
+    if pad:
+        x = layers.ZeroPadding2D(((0, 1), (0, 1)))(x)
+    x = layers.DepthwiseConv2D(3, strides=2 if pad else 1, padding="valid" if pad else "same",
+                               use_bias=False)(x)
+    x = make()(layers.BatchNormalization()(x))
+    if se:
+        s = layers.Reshape((1, 1, 16))(layers.GlobalAveragePooling2D()(x))
+        s = layers.Conv2D(4, 1, activation=act)(s)
+        s = layers.Conv2D(16, 1, activation="sigmoid")(s)
+        x = layers.multiply([x, s])
+    x = layers.BatchNormalization()(layers.Conv2D(8, 1, use_bias=False)(x))
+    if not pad:
+        x = layers.Add()([x, inputs])
+    x = layers.GlobalAveragePooling2D()(x)
+    return keras.Model(inputs, layers.Dense(10)(x))
+
+
+@pytest.mark.parametrize("act,se,pad,segs", [("swish", True, False, 3), ("swish", False, True, 3),
+                                             ("relu6", False, False, 2),
+                                             ("relu6", False, True, 3)])
+def test_extenders_gate_and_zero_pad(act, se, pad, segs):
+    """The SE multiply and a zero pad continue a segment: x is recomputed for the gate's
+    gradient and the projection's kernel gradient, the pad's output for the depthwise kernel's."""
+    delta = _stock_and_product(_mbconv(act, se, pad), 4)
+    assert delta == dict(segments=segs, convs=2, recomputed=segs, stock=0, fused=0)
+
+
+def test_activation_of_an_activation():
+    """A segment's output into another activation (ReLU after ReLU): one chain, each G stock's
+    gradient at its own input."""
+    keras.utils.set_random_seed(6)
+    inputs = keras.Input((8, 8, 4))
+    x = layers.BatchNormalization()(layers.Conv2D(8, 3, padding="same", use_bias=False)(inputs))
+    x = layers.Activation("tanh")(layers.ReLU(6.0)(x))
+    x = layers.GlobalAveragePooling2D()(layers.Conv2D(8, 3, padding="same")(x))
+    model = keras.Model(inputs, layers.Dense(10)(x))
+    delta = _stock_and_product(model, 4)
+    assert delta == dict(segments=2, convs=1, recomputed=2, stock=0, fused=0)
+
+
+def test_output_read_elsewhere_takes_stocks_route():
+    """An activation output that a Flatten + Dense also reads (its kernel gradient keeps it):
+    stock's route, named in the stats."""
+    keras.utils.set_random_seed(7)
+    inputs = keras.Input((6, 6, 4))
+    a = layers.Activation("swish")(layers.BatchNormalization()(
+        layers.Conv2D(8, 3, padding="same", use_bias=False)(inputs)))
+    x = layers.GlobalAveragePooling2D()(layers.Conv2D(8, 3, padding="same")(a))
+    x = layers.Concatenate()([x, layers.Flatten()(a)])
+    model = keras.Model(inputs, layers.Dense(10)(x))
+    before = segments.stats()["stock_reasons"]
+    delta = _stock_and_product(model, 4)
+    assert delta == dict(segments=1, convs=1, recomputed=0, stock=1, fused=0)
+    reasons = segments.stats()["stock_reasons"]
+    assert any("silu output also feeds" in r and reasons[r] > before.get(r, 0) for r in reasons)
+
+
+# ---- the saving on keras.applications models: XLA's temp buffer, one process per variant ----
+
+_MEMORY = r"""
+import hashlib, json, sys
+import numpy as np, tensorflow as tf, keras, tf_relupool
+from tf_relupool import segments
+name, size, batch, variant = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+tf.config.set_visible_devices([], "GPU")
+keras.utils.set_random_seed(0)
+model = getattr(keras.applications, name)(weights=None, input_shape=(size, size, 3),
+                                          classes=10, classifier_activation=None)
+rng = np.random.default_rng(0)
+x = tf.constant(rng.standard_normal((batch, size, size, 3)).astype("float32"))
+y = tf.constant(rng.integers(0, 10, (batch,)).astype("int32"))
+if variant == "product":
+    tf_relupool.enable_recompute(activations=True)
+tvars = model.trainable_variables
+def step(x, y):
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_mean(keras.losses.sparse_categorical_crossentropy(
+            y, model(x, training=True), from_logits=True))
+    grads = tape.gradient(loss, tvars)
+    for v, g in zip(tvars, grads):
+        v.assign_sub(0.01 * g)
+    return [loss] + grads
+step.__name__ = "segments_step"
+step = tf.function(step, jit_compile=True)
+digest = hashlib.sha256()
+for _ in range(2):
+    for t in step(x, y):
+        digest.update(t.numpy().tobytes())
+for w in model.weights:
+    digest.update(w.numpy().tobytes())
+print("RESULT " + json.dumps(dict(digest=digest.hexdigest(), stats=segments.stats())))
+"""
+
+
+def _temp_and_digest(name, size, batch, variant, tmp_path):
+    dump = str(tmp_path / variant)
+    env = dict(os.environ, XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") + f" --xla_dump_to={dump}"
+                                      " --xla_dump_hlo_module_re=.*segments_step.*").strip())
+    proc = subprocess.run([sys.executable, "-c", _MEMORY, name, str(size), str(batch), variant],
+                          capture_output=True, text=True, timeout=900, cwd=HERE, env=env)
+    lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
+    xla_buffers = benchmarks_module("xla_buffers")
+    sizes = [s for f in os.listdir(dump) if f.endswith("buffer-assignment.txt")
+             for _, s, kind in xla_buffers.allocations(os.path.join(dump, f))
+             if "preallocated-temp" in kind]
+    assert sizes, sorted(os.listdir(dump))[:20]
+    return json.loads(lines[-1][len("RESULT "):]), max(sizes)
+
+
+@pytest.mark.parametrize("name,size", [("MobileNetV2", 64), ("EfficientNetB0", 64)])
+def test_application_trains_bitwise_with_a_smaller_temp_buffer(name, size, tmp_path):
+    """keras.applications' MobileNetV2 (ReLU(6.), zero pads) and EfficientNetB0 (swish, SE
+    gates, dropout) under jit_compile=True on the CPU: two SGD steps bitwise with stock, every
+    segment recomputed, XLA's temp buffer smaller."""
+    stock, stock_temp = _temp_and_digest(name, size, 4, "stock", tmp_path)
+    product, product_temp = _temp_and_digest(name, size, 4, "product", tmp_path)
+    assert product["digest"] == stock["digest"]
+    assert product["stats"]["recomputed"] > 0 and product["stats"]["stock"] == 0, product
+    assert product_temp < stock_temp, (product_temp, stock_temp)

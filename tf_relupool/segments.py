@@ -1,0 +1,667 @@
+"""Activations recomputed in the backward pass under XLA: `enable_recompute(activations=True)`.
+
+In stock training a conv -> BatchNormalization -> activation -> conv block keeps, for the
+backward pass, the BN input z (BN's own gradient reads it), the activation's output a (the next
+conv's kernel gradient reads it) and, for activations such as swish, a value inside the
+activation (its gradient reads it; XLA keeps what it cannot fuse twice). With the switch's
+`activations=True`, inside XLA-compiled functions, a and those values are recomputed in the
+backward pass from z and BN's per-channel `inv`/`shift` (and an SE gate, a kept shortcut)
+instead. What is covered is data (tf_relupool/segment_table.py): the activations, what a segment
+starts from, and the consumers whose gradient would keep its output.
+
+While the switch is on with `activations=True`, trace-time hooks are installed (removed when it
+turns off; tf_relupool/_hooks.py):
+
+- `keras.layers.BatchNormalization.call`: after stock's call, a covered BN (training, trainable,
+  no renorm, not synchronized, no mask, the input's dtype the layer's compute dtype) has its
+  output y registered with the tensors stock's `tf.nn.batch_normalization` made:
+  y = z * inv + shift (read off the traced graph: stock's ops; the moving statistics are stock's
+  call's). Under mixed precision y = cast(z32 * inv + shift), z32 stock's float32 cast of the
+  input, which is what is registered;
+- each activation of the table: where its input u is covered (a registered y, an `Add` of one
+  with a tensor of the same shape, or another segment's output), its output becomes G's, a
+  `tf.custom_gradient` whose forward is stock's call on u;
+- the gate multiply (`layers.Multiply`, `ops.multiply`) of a segment's output and a per-channel
+  gate: G again, its forward stock's multiply;
+- each consumer of the table (convolutions, Dense's matmul) of a G output becomes C, a custom
+  gradient whose forward is stock's call and whose backward recomputes G's output from the
+  segment's kept inputs for the kernel's gradient (the input's gradient needs the kernel alone).
+
+G's gradient is always stock's gradient function of its op, given to its traced input u, from
+where the tape goes on through stock's ops (so gradients with respect to u, or summed there from
+several consumers, are stock's). On the recompute route the values that gradient reads come from
+u recomputed from the segment's kept inputs instead of the forward's copy; for activations marked
+`hold` that recomputation runs behind the barrier. C's recomputation always does. The barrier:
+XLA's optimization barrier on a GPU; on the CPU, whose pipeline deletes that barrier before
+fusion and scheduling, `select(p, x, 0)` of every recomputation input, where p is a tautology read
+from the incoming gradient ((e == e) | (e != e)), exact for every value.
+`TF_RELUPOOL_BN_RELU_BARRIER` ("xla", "select", default "auto": "xla" where a GPU is visible and
+TensorFlow registers the op) picks it.
+
+A segment recomputes only where its output's consumers are C's, other segments, or ops whose
+gradient reads none of their inputs (Add, Mean), and its input feeds nothing else; otherwise G
+and its C's take stock's route: stock's gradient from the forward's values, stock's graph (the
+step XLA compiles is stock's). The decision is made when the gradient is traced, when every
+consumer is known. A ReLU (default arguments) that feeds a max pool stays with the switch's pool
+fusion (keras_fusion asks `relu_input`).
+
+XLA only: outside XLA-compiled functions nothing here applies (the Grappler pass does not
+recompute activations).
+"""
+import collections
+import functools
+import logging
+import os
+import threading
+import weakref
+
+from tf_relupool import _state, gradient_sources, segment_table
+
+logger = logging.getLogger("tf_relupool")
+
+BARRIER_ENV_VAR = "TF_RELUPOOL_BN_RELU_BARRIER"
+BARRIERS = ("auto", "xla", "select")
+
+_lock = threading.Lock()
+_patches = []  # [(owner, attribute, original, wrapper)] while installed
+_stats = collections.Counter()
+_local = threading.local()  # .depth: inside an activation hook's stock call (nested hooks pass)
+_DTYPES = ("float16", "bfloat16", "float32", "float64")
+
+
+class _Graphs:
+    """Per traced graph (weakly held): the registered BN outputs, the segments by G's output,
+    and the names of the ops the segments made (G's and C's)."""
+
+    def __init__(self):
+        self._by_graph = weakref.WeakKeyDictionary()
+
+    def of(self, graph):
+        entry = self._by_graph.get(graph)
+        if entry is None:
+            entry = self._by_graph[graph] = dict(bn={}, segments={}, ops=set())
+        return entry
+
+
+_graphs = _Graphs()
+
+
+def stats():
+    """Counts since import: {"segments": G's built at trace time, "convs": C's built,
+    "recomputed": G gradients traced with the recomputation, "stock": G gradients traced on
+    stock's route, "stock_reasons": {reason: n}, "by_activation": {name: G's built}}."""
+    out = {k: _stats[k] for k in ("segments", "convs", "recomputed", "stock")}
+    out["stock_reasons"] = {k[len("stock:"):]: v for k, v in _stats.items()
+                            if k.startswith("stock:")}
+    out["by_activation"] = {k[len("act:"):]: v for k, v in _stats.items() if k.startswith("act:")}
+    return out
+
+
+def installed():
+    """Whether the hooks are installed now."""
+    return bool(_patches)
+
+
+def _owners():
+    """{owner name of segment_table: object} in this Keras; {} without Keras 3's TensorFlow
+    backend."""
+    try:
+        import keras
+        if keras.backend.backend() != "tensorflow":
+            return {}
+        from keras.src.activations import activations
+        from keras.src.backend.tensorflow import nn, numpy
+        from keras.src.layers.normalization.batch_normalization import BatchNormalization
+    except ImportError:
+        return {}
+    return {"nn": nn, "numpy": numpy, "ReLU": activations.ReLU,
+            "Mish": getattr(activations, "Mish", None), "BatchNormalization": BatchNormalization}
+
+
+def _targets():
+    """[(owner, attribute, wrapper factory)] of the hooks (module doc)."""
+    owners = _owners()
+    if not owners:
+        return []
+    out = [(owners["BatchNormalization"], "call", _bn_call_wrapper)]
+    seen = set()
+    for row in segment_table.ACTIVATIONS:
+        owner = owners.get(row.owner)
+        if owner is None or row.attr not in owner.__dict__ or (row.owner, row.attr) in seen:
+            continue
+        seen.add((row.owner, row.attr))
+        out.append((owner, row.attr, functools.partial(_activation_wrapper, row)))
+    for row in segment_table.EXTENDERS:
+        owner = owners.get(row.owner)
+        if owner is not None and row.attr in owner.__dict__:
+            out.append((owner, row.attr, _EXTENDER_WRAPPERS[row.name]))
+    for row in segment_table.CONSUMERS:
+        owner = owners.get(row.owner)
+        if owner is not None and row.attr in owner.__dict__:
+            out.append((owner, row.attr, functools.partial(_consumer_wrapper, row)))
+    return out
+
+
+def set_enabled(on):
+    """Installs (on) or removes (off) the hooks. Removing restores each original unless
+    something else replaced it since (that stays). After an install, a probe traces a tiny
+    conv -> BN -> ReLU -> conv inside tf.function(jit_compile=True) (no compilation) and warns
+    where Keras' calls did not reach the hooks."""
+    installed_now = False
+    with _lock:
+        if on and not _patches:
+            for owner, name, factory in _targets():
+                original = owner.__dict__[name]
+                wrapper = factory(original)
+                _patches.append((owner, name, original, wrapper))
+                setattr(owner, name, wrapper)
+                installed_now = True
+        elif not on:
+            while _patches:
+                owner, name, original, wrapper = _patches.pop()
+                if owner.__dict__.get(name) is wrapper:
+                    setattr(owner, name, original)
+    if installed_now and not _probed:
+        _check_dispatch()
+
+
+_probed = []  # [True] once a probe found every hook reached
+
+
+def _check_dispatch():
+    """The probe of set_enabled: one segment and one C traced, else a warning."""
+    import tensorflow as tf
+    from keras import layers
+    saved = collections.Counter(_stats)
+    try:
+        # named: Keras' automatic layer names stay as they were; float32: a mixed-precision
+        # policy would not be covered
+        kw = dict(dtype="float32")
+        conv1 = layers.Conv2D(2, 1, use_bias=False, name="tf_relupool_probe_conv1", **kw)
+        bn = layers.BatchNormalization(name="tf_relupool_probe_bn", **kw)
+        relu = layers.ReLU(name="tf_relupool_probe_relu", **kw)
+        conv2 = layers.Conv2D(2, 1, name="tf_relupool_probe_conv2", **kw)
+        tf.function(lambda x: conv2(relu(bn(conv1(x), training=True))), jit_compile=True,
+                    autograph=False).get_concrete_function(tf.TensorSpec([1, 2, 2, 2]))
+        reached = (_stats["segments"] > saved["segments"], _stats["convs"] > saved["convs"])
+    except Exception as e:  # noqa: BLE001 - the probe must not break enable_recompute()
+        reached, error = (False, False), e
+    else:
+        error = None
+    finally:
+        _stats.clear()
+        _stats.update(saved)
+    if all(reached):
+        _probed.append(True)
+        return
+    logger.warning(
+        "tf_relupool: enable_recompute(activations=True): a conv -> BatchNormalization -> ReLU "
+        "-> conv traced inside tf.function(jit_compile=True) did not reach tf_relupool's hooks "
+        "(%s); BatchNorm and activations run stock's ops there (no saving, stock's results). "
+        "Keras may have moved the functions tf_relupool wraps.",
+        f"the probe failed: {error}" if error else
+        "no segment at the ReLU" if not reached[0] else "no segment at the Conv2D")
+
+
+def _active():
+    if not (_state.mode() is not None and _state.bn_relu()):
+        return False
+    from tf_relupool import xla
+    return xla.in_xla_context()
+
+
+def _entry(t):
+    graph = getattr(t, "graph", None)
+    return None if graph is None else _graphs.of(graph)
+
+
+class _Ours:
+    """Records the ops made inside the block as the segments' own (G's and C's, forward and
+    backward), so that the consumer checks see only the model's ops."""
+
+    def __init__(self, graph):
+        self.graph = graph
+        self.new = set()
+
+    def __enter__(self):
+        self._count = len(self.graph.get_operations())
+        return self
+
+    def __exit__(self, *exc):
+        self.new = {op.name for op in self.graph.get_operations()[self._count:]}
+        _graphs.of(self.graph)["ops"].update(self.new)
+
+
+class _Stock:
+    """Inside an activation hook's stock call: the hooks it reaches pass through."""
+
+    def __enter__(self):
+        _local.depth = getattr(_local, "depth", 0) + 1
+
+    def __exit__(self, *exc):
+        _local.depth -= 1
+
+
+def _inside_stock_call():
+    return getattr(_local, "depth", 0) > 0
+
+
+# ------------------------------------------------------------------------- BatchNormalization
+
+def _covered_bn(layer, inputs, training, mask):
+    """Why this BatchNormalization call is not covered, or None where it is."""
+    if training is not True or not layer.trainable:
+        return "not training"
+    if getattr(layer, "renorm", False):
+        return "renorm"
+    if getattr(layer, "synchronized", False):
+        return "synchronized"
+    if mask is not None:
+        return "mask"
+    dtype = getattr(getattr(inputs, "dtype", None), "name", None)
+    if dtype not in _DTYPES or layer.compute_dtype != dtype:
+        return "dtype"
+    return None
+
+
+def _bn_call_wrapper(original):
+    @functools.wraps(original)
+    def call(self, inputs, training=None, mask=None):
+        outputs = original(self, inputs, training=training, mask=mask)
+        if _active() and _covered_bn(self, inputs, training, mask) is None:
+            _register_bn(inputs, outputs)
+        return outputs
+    call._tf_relupool_wraps = original
+    return call
+
+
+def _register_bn(z, y):
+    """Registers y = z * inv + shift (stock's tf.nn.batch_normalization as traced), or, for a
+    float16/bfloat16 input (mixed precision), y = cast(cast(z, float32) * inv + shift): then the
+    registered z is stock's float32 cast of the input."""
+    import tensorflow as tf
+    if not (isinstance(y, tf.Tensor) and isinstance(z, tf.Tensor)) or y.shape.rank is None:
+        return
+    norm = y.op.inputs[0] if y.op.type == "Cast" else y
+    if norm.op.type != "AddV2" or norm.op.inputs[0].op.type != "Mul":
+        return
+    mul = norm.op.inputs[0].op
+    z_in = mul.inputs[0]
+    if norm is not y:  # mixed precision: z_in must be stock's cast of the BN input
+        if z_in.op.type != "Cast" or z_in.op.inputs[0].name != z.name or y.dtype != z.dtype:
+            return
+    elif z_in.name != z.name:
+        return
+    inv, shift = mul.inputs[1], norm.op.inputs[1]
+    if not (y.shape.is_fully_defined() and z_in.shape == y.shape
+            and inv.dtype == z_in.dtype and shift.dtype == z_in.dtype):
+        return
+    _entry(y)["bn"][y.name] = (z_in, inv, shift)
+
+
+# ------------------------------------------------------------------------- sources
+
+class Source:
+    """How a segment's input u is recomputed from tensors kept anyway: `roots` and
+    `value(roots)` (stock's ops in stock's order), and the tensors the chain skips."""
+
+    def __init__(self, roots, value, skipped):
+        self.roots = list(roots)
+        self.value = value
+        self.skipped = tuple(skipped)
+
+
+def _bn_value(y):
+    """value(z, inv, shift) of a registered BN output y: z * inv + shift, cast to y's dtype under
+    mixed precision as stock casts it."""
+    import tensorflow as tf
+
+    def value(ts):
+        v = ts[0] * ts[1] + ts[2]
+        return v if v.dtype == y.dtype else tf.cast(v, y.dtype)
+    return value
+
+
+def _source(u):
+    """A Source for u (a registered BN output, an Add of one and a same-shaped tensor, another
+    segment's output), or None where u is not covered."""
+    import tensorflow as tf
+    if not isinstance(u, tf.Tensor) or not u.shape.is_fully_defined():
+        return None
+    entry = _entry(u)
+    seg = entry["segments"].get(u.name)
+    if seg is not None:
+        return Source(seg.roots, seg.value, seg.skipped + (u,))
+    bns = entry["bn"]
+    if u.name in bns:
+        return Source(bns[u.name], _bn_value(u), (u,))
+    if u.op.type not in ("AddV2", "Add") or len(u.op.inputs) != 2:
+        return None
+    parts, roots = [], []
+    for t in u.op.inputs:
+        if t.shape != u.shape or t.dtype != u.dtype:
+            return None
+        if t.name in bns and not any(p[0] == "bn" and p[1] is t for p in parts):
+            parts.append(("bn", t, len(roots)))
+            roots += list(bns[t.name])
+        else:
+            parts.append(("keep", t, len(roots)))
+            roots.append(t)
+    if not any(p[0] == "bn" for p in parts):
+        return None
+
+    def value(ts):
+        vals = [_bn_value(t)(ts[i:i + 3]) if kind == "bn" else ts[i] for kind, t, i in parts]
+        return vals[0] + vals[1]
+    return Source(roots, value, tuple(p[1] for p in parts if p[0] == "bn") + (u,))
+
+
+# ------------------------------------------------------------------------- G
+
+class Segment:
+    """One traced G: its op (stock's call) applied to its input u, and how its output is
+    recomputed from the kept roots."""
+
+    def __init__(self, name, source, op, hold, extra=()):
+        self.name = name            # the activation's table name, or "gate"
+        self.source = source        # how u is recomputed
+        self.op = op                # op(u_value, *extra_values): stock's call
+        self.hold = hold            # G's recomputation behind the barrier
+        self.extra = list(extra)    # kept tensors the op reads besides u (the gate)
+        self.roots = source.roots + self.extra
+        self.skipped = source.skipped
+        self.u = None               # the traced input
+        self.output = None          # G's output, what every consumer reads
+        self.ops = set()            # the names of G's forward ops
+        self.default_relu = False   # a ReLU with default arguments (relu_input)
+
+    def value(self, ts):
+        """The segment's output recomputed from roots `ts`."""
+        n = len(self.source.roots)
+        return self.op(self.source.value(ts[:n]), *ts[n:])
+
+    def stock_reason(self):
+        """Why this segment's gradient must be stock's (module doc), or None. Asked by G and by
+        every C of the segment: on stock's route neither recomputes, and XLA compiles stock's
+        step."""
+        entry = _entry(self.output)
+        ours = entry["ops"]
+        for op in self.output.consumers():
+            if op.name not in ours and op.type not in segment_table.KEEP_NOTHING:
+                return f"the {self.name} output also feeds " + op.type
+        if self.name == "gate":  # x also feeds the squeeze (a Mean): x is recomputed for both
+            if any(op.name not in ours and op.type not in segment_table.KEEP_NOTHING
+                   for op in self.u.consumers()):
+                return "the gated tensor also feeds other ops"
+        elif {op.name for op in self.u.consumers()} - self.ops:  # another segment's G too:
+            # stock sums their gradients at u, and XLA's fusion of that sum decides the bits
+            return f"the {self.name} input feeds other ops"
+        for t in self.skipped[:-1]:
+            if t.name in entry["bn"] and any(op.name != self.u.op.name and op.name not in ours
+                                             for op in t.consumers()):
+                return "a BN output feeds other ops"
+        if gradient_sources.route(self.skipped + (self.u,)) != gradient_sources.FUSED:
+            return "the gradient is taken with respect to a skipped tensor, or unknown"
+        return None
+
+
+def _segment_of(t):
+    entry = _entry(t)
+    return None if entry is None else entry["segments"].get(getattr(t, "name", None))
+
+
+def relu_input(t):
+    """The ReLU's traced input where `t` is the output of a segment of a ReLU with default
+    arguments, else None: the switch's pool fusion treats G's output as a Relu of it
+    (keras_fusion)."""
+    seg = _segment_of(t)
+    return seg.u if seg is not None and seg.default_relu else None
+
+
+def _make_g(seg, u):
+    """G's output for seg applied to the traced input u (module doc)."""
+    import tensorflow as tf
+    n = len(seg.roots)
+    seg.u = u
+
+    @tf.custom_gradient
+    def g(*args):
+        ts, u_in = list(args[:n]), args[n]
+        extra = ts[len(seg.source.roots):]
+        with tf.GradientTape(persistent=True) as forward:
+            forward.watch([u_in] + extra)
+            out = seg.op(u_in, *extra)
+
+        def grad(da):
+            with _Ours(da.graph):
+                return _grad(da)
+
+        def _grad(da):
+            reason = seg.stock_reason()
+            if reason is None:
+                _stats["recomputed"] += 1
+                m = len(seg.source.roots)
+                held = (_hold(ts[:m], [da], big=u_in.shape.num_elements())[0] if seg.hold
+                        else ts[:m])
+                with tf.GradientTape() as tape:
+                    u2 = seg.source.value(held)
+                    tape.watch([u2] + extra)
+                    a2 = seg.op(u2, *extra)
+                grads = tape.gradient(a2, [u2] + extra, output_gradients=da)
+            else:
+                _stats["stock"] += 1
+                _stats["stock:" + reason] += 1
+                grads = forward.gradient(out, [u_in] + extra, output_gradients=da)
+            du, dextra = grads[0], list(grads[1:])
+            return [None] * (n - len(extra)) + dextra + [du]
+
+        return out, grad
+
+    with _Ours(u.graph) as ours:
+        seg.output = g(*seg.roots, u)
+    seg.ops = ours.new
+    _entry(u)["segments"][seg.output.name] = seg
+    _stats["segments"] += 1
+    _stats["act:" + seg.name] += 1
+    return seg.output
+
+
+def _default_relu(row, args, kwargs):
+    """Whether this call is a ReLU with default arguments (what the pool fusion takes)."""
+    if row.name != "relu" or args:
+        return False
+    return all(not kwargs.get(k) for k in ("negative_slope", "max_value", "threshold"))
+
+
+def _relu_name(row, args, kwargs):
+    """The table's name, or for ReLU's static_call the form its arguments make (stats)."""
+    if row.owner != "ReLU" or args:
+        return row.name
+    slope, top, threshold = (kwargs.get(k) for k in ("negative_slope", "max_value", "threshold"))
+    if not slope and not threshold and top is not None:
+        return "relu6" if top == 6 else "relu(max_value)"
+    return "relu" if not (slope or threshold) else "relu(negative_slope, threshold)"
+
+
+def _activation_wrapper(row, original):
+    fn = original.__func__ if isinstance(original, staticmethod) else original
+
+    @functools.wraps(fn)
+    def activation(x, *args, **kwargs):
+        def stock(t):
+            with _Stock():
+                return fn(t, *args, **kwargs)
+        if not _inside_stock_call() and _active():
+            source = _source(x)
+            if source is not None:
+                seg = Segment(_relu_name(row, args, kwargs), source, stock, row.hold)
+                seg.default_relu = _default_relu(row, args, kwargs)
+                out = _make_g(seg, x)
+                if row.attr == "sigmoid":  # Keras' sigmoid marks its output with its logits
+                    out._keras_logits = x
+                return out
+        return stock(x)
+    return staticmethod(activation) if isinstance(original, staticmethod) else activation
+
+
+def _per_channel(gate, x):
+    """Whether `gate` broadcasts over x's batch and spatial dimensions per channel ([N, 1, .., C]
+    or [N, C, 1, ..]): a squeeze-and-excitation gate."""
+    gs, xs = gate.shape, x.shape
+    if gs.rank != xs.rank or not gs.is_fully_defined() or gs.rank < 3:
+        return False
+    dims = [d for d in range(gs.rank) if gs[d] != 1]
+    return all(gs[d] == xs[d] for d in dims) and len(dims) <= 2 and gs.num_elements() < (
+        xs.num_elements())
+
+
+def _gate_wrapper(original):
+    @functools.wraps(original)
+    def multiply(x1, x2):
+        import tensorflow as tf
+        if not _inside_stock_call() and _active() and isinstance(x1, tf.Tensor) and isinstance(
+                x2, tf.Tensor) and x1.dtype == x2.dtype:
+            for x, gate, first in ((x1, x2, True), (x2, x1, False)):
+                prev = _segment_of(x)
+                if prev is not None and _per_channel(gate, x):
+                    def op(u, g, first=first):
+                        with _Stock():
+                            return original(u, g) if first else original(g, u)
+                    source = Source(prev.roots, prev.value, prev.skipped + (x,))
+                    return _make_g(Segment("gate", source, op, False, [gate]), x)
+        return original(x1, x2)
+    multiply._tf_relupool_wraps = original
+    return multiply
+
+
+def _pad_wrapper(original):
+    @functools.wraps(original)
+    def pad(x, pad_width, mode="constant", constant_values=None):
+        prev = (_segment_of(x) if _active() and not _inside_stock_call()
+                and str(mode).lower() == "constant" and not constant_values else None)
+        if prev is not None and not prev.default_relu:  # ReLU -> Pad -> max pool: the pool
+            # fusion's pattern (keras_fusion), which keeps one-byte codes instead
+            def op(u):
+                with _Stock():
+                    return original(u, pad_width, mode, constant_values)
+            source = Source(prev.roots, prev.value, prev.skipped + (x,))
+            return _make_g(Segment("zero_pad", source, op, False), x)
+        return original(x, pad_width, mode, constant_values)
+    pad._tf_relupool_wraps = original
+    return pad
+
+
+_EXTENDER_WRAPPERS = {"gate": _gate_wrapper, "zero_pad": _pad_wrapper}
+
+
+# ------------------------------------------------------------------------- C
+
+def _consumer_wrapper(row, original):
+    @functools.wraps(original)
+    def consumer(inputs, *args, **kwargs):
+        seg = _segment_of(inputs) if _active() and not _inside_stock_call() else None
+        if seg is not None:
+            return _consume(seg, row, original, inputs, args, kwargs)
+        return original(inputs, *args, **kwargs)
+    consumer._tf_relupool_wraps = original
+    return consumer
+
+
+def _consume(seg, row, original, a, args, kwargs):
+    """C: stock's `original(a, *args, **kwargs)`; the gradients of its tensor arguments from a
+    recomputed `a` on the recompute route."""
+    import tensorflow as tf
+    # tensor arguments (kernels: variables read as tensors) travel through the custom gradient
+    slots = [i for i, v in enumerate(args) if isinstance(v, (tf.Tensor, tf.Variable))
+             or hasattr(v, "value") and hasattr(v, "assign")]
+    if not slots:
+        return original(a, *args, **kwargs)
+    ws = [tf.convert_to_tensor(args[i]) for i in slots]
+    n, k = len(seg.roots), len(ws)
+
+    def call(x, w):
+        full = list(args)
+        for i, v in zip(slots, w):
+            full[i] = v
+        return original(x, *full, **kwargs)
+
+    @tf.custom_gradient
+    def c(a_in, *rest):
+        w_in, ts = list(rest[:k]), list(rest[k:])
+
+        def grad(dy):
+            with _Ours(dy.graph):
+                return _grad(dy)
+
+        def _grad(dy):
+            if seg.stock_reason() is None:
+                xs, (dy_held,) = _hold(ts + w_in, [dy], big=a_in.shape.num_elements())
+                with tf.GradientTape() as tape:
+                    a2 = seg.value(xs[:n])
+                    tape.watch([a2] + xs[n:])
+                    y = call(a2, xs[n:])
+                grads = tape.gradient(y, [a2] + xs[n:], output_gradients=dy_held)
+            else:
+                with tf.GradientTape() as tape:
+                    tape.watch([a_in] + w_in)
+                    y = call(a_in, w_in)
+                grads = tape.gradient(y, [a_in] + w_in, output_gradients=dy)
+            return list(grads) + [None] * n
+
+        return call(a_in, w_in), grad
+
+    with _Ours(a.graph):
+        out = c(a, *ws, *seg.roots)
+    _stats["convs"] += 1
+    return out
+
+
+# ------------------------------------------------------------------------- the barrier
+
+def barrier_kind():
+    """"xla" or "select": the barrier the recomputation runs behind (module doc)."""
+    value = os.environ.get(BARRIER_ENV_VAR, "auto").strip().lower() or "auto"
+    if value not in BARRIERS:
+        raise ValueError(f"{BARRIER_ENV_VAR}={value!r} is not one of {BARRIERS}")
+    if value != "auto":
+        return value
+    import tensorflow as tf
+    if tf.config.list_logical_devices("GPU") and _xla_barrier() is not None:
+        return "xla"
+    return "select"
+
+
+def _xla_barrier():
+    try:
+        from tensorflow.compiler.tf2xla.ops import gen_xla_ops
+        return gen_xla_ops.xla_optimization_barrier
+    except (ImportError, AttributeError):
+        return None
+
+
+def _hold(ts, dys, big=None):
+    """`ts` and `dys` behind the barrier: a recomputation from the returned ts can neither be
+    merged with the forward's nor run before the incoming gradients `dys` exist. With `big`,
+    only the tensors of at least `big` elements are held (the recomputation's full-size inputs:
+    then it is still new and still waits for `dys`); the small ones (BN's per-channel inv and
+    shift, a gate) stay as XLA computes them for stock, which may fuse their arithmetic into
+    every consumer (a held copy is computed once, and its bits can differ)."""
+    import tensorflow as tf
+    if big is not None:
+        pick = [i for i, t in enumerate(ts) if t.shape.num_elements() >= big]
+        held, dys = _hold([ts[i] for i in pick], dys)
+        out = list(ts)
+        for i, t in zip(pick, held):
+            out[i] = t
+        return out, dys
+    if barrier_kind() == "xla":
+        barrier = _xla_barrier()
+        if barrier is None:
+            raise RuntimeError(
+                f"tf_relupool: {BARRIER_ENV_VAR}=xla, but TensorFlow's XlaOptimizationBarrier op "
+                "is not available (tensorflow.compiler.tf2xla.ops._xla_ops.so)")
+        held = barrier(list(ts) + list(dys))
+        return list(held[:len(ts)]), list(held[len(ts):])
+    e = tf.reshape(dys[0], [-1])[0]
+    p = tf.logical_or(tf.equal(e, e), tf.not_equal(e, e))  # true for every e, NaN included
+    return [tf.where(p, t, tf.zeros_like(t)) for t in ts], list(dys)
