@@ -76,7 +76,7 @@ EXTENDERS = (
     Extender("gate", "numpy", "multiply", "Multiply, ops.multiply: x * gate (PRODUCERS' gate)"),
     Extender("zero_pad", "numpy", "pad", "ZeroPadding1D/2D/3D, ops.pad with zeros "
              "(before a strided depthwise conv: MobileNet's, EfficientNet's); not after a plain "
-             "ReLU, where ReLU -> pad -> max pool is the pool fusion's pattern")),
+             "ReLU, where ReLU -> pad -> max pool is the pool fusion's pattern"),
 )
 
 #: op types whose gradient reads none of their inputs' values: a segment output they read is not
