@@ -19,7 +19,9 @@ real model's pool ties.
     prints how many weight arrays differ. --sample-batches counts ties (and compares the stem
     pool's dz where a batch ties) over more random batches at the initial weights.
 
-XLA_FLAGS gets --xla_gpu_deterministic_ops=true (a GPU's XLA is deterministic only with it).
+XLA_FLAGS gets --xla_gpu_deterministic_ops=true and TF_CUDNN_DETERMINISTIC defaults to 1, as in
+`make gpu-test`; step 1 also compiles stock's step a second time, as a control (its gradients
+must equal the first compilation's). On the GPU: STEPS=ties scripts/tf_gpu.sh.
 The figures of 2026-12-05: benchmarks/results/xla_ties_cpu_2026-12-05.txt.
 
     python benchmarks/xla_ties.py --sample-batches 300   # both parts, on the visible device
@@ -33,9 +35,12 @@ import subprocess
 import sys
 import time
 
+# A GPU's XLA is deterministic only with this flag, and two compilations of a step pick the same
+# cuDNN algorithms only with cuDNN's deterministic ones (Makefile's gpu-test); no effect on a CPU.
 if "xla_gpu_deterministic_ops" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                                + " --xla_gpu_deterministic_ops=true").strip()
+os.environ.setdefault("TF_CUDNN_DETERMINISTIC", "1")
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
@@ -61,6 +66,7 @@ def describe():
              f"tf_relupool {getattr(tf_relupool, '__version__', '?')}, "
              f"commit {commit or 'unknown'}",
              f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')} "
+             f"TF_CUDNN_DETERMINISTIC={os.environ['TF_CUDNN_DETERMINISTIC']} "
              f"TF_ENABLE_ONEDNN_OPTS={os.environ.get('TF_ENABLE_ONEDNN_OPTS', '(default)')}"]
     if gpus:
         lines.append("TF32: " + ("on" if tf.config.experimental.tensor_float_32_execution_enabled()
@@ -300,9 +306,14 @@ def stem(args):
         loss, g = stock_step(x, y)
         loss_s, g_s = switch_step(x, y)  # the switch, from the same weights
         diff = [(v.path, *differing(p, q)) for v, p, q in zip(model.trainable_variables, g, g_s)]
+        if step == 0:  # the control: stock's step compiled again
+            g_2 = make_functions(model)[1](x, y)[1]
+            same = sum(np.array_equal(p.numpy(), q.numpy()) for p, q in zip(g, g_2))
+            control = f"stock XLA compiled twice: {same} of {len(g)} gradient arrays equal"
         print(f"step {step + 1}: stem pool windows {args.batch * 56 * 56 * 64:,}, tied positive "
               f"maxima {n} (stem forward as the model's: "
-              f"{'same bits' if same_forward else 'DIFFERENT'})")
+              f"{'same bits' if same_forward else 'DIFFERENT'})"
+              + (f"; {control}" if step == 0 else ""))
         for line in shown:
             print("    " + line)
         print(f"  stem pool dz (dy = 1), elements that differ: stock XLA vs switch {d_xla}, "
