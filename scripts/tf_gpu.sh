@@ -9,6 +9,8 @@
 #   breakdown benchmarks/memory_breakdown.py per BREAKDOWN_RUNS ("model:config ...", default
 #            "simple:default"), raw profiles kept          -> breakdown/, breakdown.txt
 #   order    benchmarks/mixed_precision_order.py (ORDER_ARGS)      -> mixed_precision_order.txt
+#   ties     benchmarks/xla_ties.py: tied max-pool windows under XLA, stock vs the switch
+#            (TIES_ARGS, default --sample-batches 300)              -> xla_ties.txt
 #   cpubench benchmarks/bench_ops.py on the host CPU, GPU hidden; one run per ';'-separated
 #            argument list in CPUBENCH_RUNS (default: all tables, oneDNN on and off)
 #                                                                   -> bench_cpu.md, lscpu.txt
@@ -54,6 +56,11 @@ for step in ${STEPS:-test bench}; do
       (cd /tmp && timeout ${ORDER_TIMEOUT:-300} python3 "$ROOT/benchmarks/mixed_precision_order.py" $ORDER_ARGS) \
         > "$OUT/mixed_precision_order.txt" 2>&1 || rc=1
       tail -20 "$OUT/mixed_precision_order.txt" ;;
+    ties)
+      (cd /tmp && timeout ${TIES_TIMEOUT:-500} python3 "$ROOT/benchmarks/xla_ties.py" \
+        ${TIES_ARGS:---sample-batches 300}) > "$OUT/xla_ties.txt" 2>"$OUT/xla_ties.err" \
+        || { rc=1; tail -20 "$OUT/xla_ties.err"; }
+      cat "$OUT/xla_ties.txt" ;;
     cpubench)
       lscpu > "$OUT/lscpu.txt" 2>&1
       IFS=';' read -ra runs <<< "${CPUBENCH_RUNS:- }"

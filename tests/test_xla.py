@@ -233,6 +233,46 @@ def test_stock_xla_cpu_same_padding_ties():
         assert routed in ([[0, 0], [1, 0]], [[0, 1], [0, 0]]), routed
 
 
+def test_stock_xla_cpu_same_padding_tie_in_a_googlenet_stem_pool():
+    """The same disagreement on keras-io GoogleNet's stem pool, MaxPooling2D(3, 2, "same"), over
+    a 4x4 input of 0.01 whose top-left 3x3 window ties at 0.3 on (1, 2) and (2, 1); windows
+    (0, 1) and (1, 0) hold one each of the two. Row-major (stock eager, the switch): window (0, 0)
+    goes to (1, 2), which gets 2. XLA's CPU backend with SAME padding (TF 2.21): to (2, 1), which
+    gets 2. One tie moves a whole dy. Through the Keras layers with the switch on, and through the
+    op. If this test fails on the CPU, XLA changed: update docs/xla.md and README's Exactness."""
+    z = np.full((1, 4, 4, 1), 0.01, np.float32)
+    z[0, :3, :3, 0] = [[.2, .2, .2], [.1, .2, .3], [.26, .3, .07]]
+    z, dy = tf.constant(z), tf.ones([1, 2, 2, 1])
+    relu, pool = keras.layers.ReLU(), keras.layers.MaxPooling2D(3, 2, "same")
+
+    def keras_stock(t):
+        return pool(relu(t))
+
+    eager = _value_and_grads(keras_stock, z, dy, tf.zeros_like(z), jit_compile=None)[1]
+    row_major = np.zeros((4, 4), np.float32)
+    row_major[1, 2], row_major[2, 1], row_major[2, 2] = 2, 1, 1
+    np.testing.assert_array_equal(eager.numpy()[0, :, :, 0], row_major)
+    before = keras_fusion.stats()["fused"]
+    with tf_relupool.recompute():
+        switch = _value_and_grad(lambda t: pool(relu(t)), z, dy)[1]
+    assert keras_fusion.stats()["fused"] == before + 1
+    fused = _value_and_grad(lambda t: tf_relupool.relu_max_pool2d(t, 3, 2, "SAME"), z, dy)[1]
+    assert_bitwise_equal(switch, eager, "switch (Keras layers, XLA)")
+    assert_bitwise_equal(fused, eager, "relu_max_pool2d (XLA)")
+    stock_xla = _value_and_grad(keras_stock, z, dy)[1]
+    assert_bitwise_equal(stock_xla, _value_and_grad(
+        lambda t: tf.nn.max_pool2d(tf.nn.relu(t), 3, 2, "SAME"), z, dy)[1], "Keras vs tf.nn")
+    if GPU_VISIBLE:
+        return  # (benchmarks/xla_ties.py prints what XLA's GPU backend does)
+    routed = stock_xla.numpy()[0, :, :, 0]
+    xla_cpu = row_major.copy()
+    xla_cpu[1, 2], xla_cpu[2, 1] = 1, 2
+    if tf.__version__.startswith("2.21."):  # measured with TF 2.21 (docs/xla.md)
+        np.testing.assert_array_equal(routed, xla_cpu)
+    else:  # other versions' XLA: the same order, or the row-major one
+        assert (routed == xla_cpu).all() or (routed == row_major).all(), routed
+
+
 @pytest.mark.parametrize("data_format", ["NHWC", "NCHW"])
 @pytest.mark.parametrize("k,s,pads", [((3, 3), (2, 2), ((1, 1), (1, 1))),
                                       ((3, 2), (1, 2), ((2, 0), (0, 1))),
