@@ -473,6 +473,13 @@ def _default_relu(row, args, kwargs):
     return all(not kwargs.get(k) for k in ("negative_slope", "max_value", "threshold"))
 
 
+HOLD_ENV_VAR = "TF_RELUPOOL_SEGMENT_HOLD"  # "all": every G's recomputation held (a study lever)
+
+
+def _hold_g(row):
+    return row.hold or os.environ.get(HOLD_ENV_VAR, "").strip().lower() == "all"
+
+
 def _relu_name(row, args, kwargs):
     """The table's name, or for ReLU's static_call the form its arguments make (stats)."""
     if row.owner != "ReLU" or args:
@@ -494,7 +501,7 @@ def _activation_wrapper(row, original):
         if not _inside_stock_call() and _active():
             source = _source(x)
             if source is not None:
-                seg = Segment(_relu_name(row, args, kwargs), source, stock, row.hold)
+                seg = Segment(_relu_name(row, args, kwargs), source, stock, _hold_g(row))
                 seg.default_relu = _default_relu(row, args, kwargs)
                 out = _make_g(seg, x)
                 if row.attr == "sigmoid":  # Keras' sigmoid marks its output with its logits
@@ -528,7 +535,8 @@ def _gate_wrapper(original):
                         with _Stock():
                             return original(u, g) if first else original(g, u)
                     source = Source(prev.roots, prev.value, prev.skipped + (x,))
-                    return _make_g(Segment("gate", source, op, False, [gate]), x)
+                    return _make_g(Segment("gate", source, op, _hold_g(segment_table.Activation(
+                        "gate", None, None, False, False)), [gate]), x)
         return original(x1, x2)
     multiply._tf_relupool_wraps = original
     return multiply
