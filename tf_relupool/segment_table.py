@@ -31,16 +31,16 @@ Producer = collections.namedtuple("Producer", "name how")
 #: a Keras version lacks are skipped there.
 ACTIVATIONS = (
     # ReLU(max_value, negative_slope, threshold), keras.activations.relu(x, ...), "relu"
-    Activation("relu", "ReLU", "static_call", True, False),
-    Activation("relu", "nn", "relu", True, False),            # keras.ops.relu
-    Activation("relu6", "nn", "relu6", True, False),          # ReLU(6.), "relu6"
-    Activation("leaky_relu", "nn", "leaky_relu", True, False),  # LeakyReLU, "leaky_relu"
+    Activation("relu", "ReLU", "static_call", True, True),
+    Activation("relu", "nn", "relu", True, True),            # keras.ops.relu
+    Activation("relu6", "nn", "relu6", True, True),          # ReLU(6.), "relu6"
+    Activation("leaky_relu", "nn", "leaky_relu", True, True),  # LeakyReLU, "leaky_relu"
     Activation("elu", "nn", "elu", True, False),               # ELU, "elu"
     Activation("selu", "nn", "selu", True, False),             # "selu"
     Activation("silu", "nn", "silu", False, False),            # "silu", "swish"
     Activation("gelu", "nn", "gelu", False, False),            # "gelu", exact and approximate
-    Activation("hard_sigmoid", "nn", "hard_sigmoid", True, False),  # "hard_sigmoid"
-    Activation("hard_silu", "nn", "hard_silu", False, False),  # "hard_silu", "hard_swish"
+    Activation("hard_sigmoid", "nn", "hard_sigmoid", True, True),  # "hard_sigmoid"
+    Activation("hard_silu", "nn", "hard_silu", False, True),  # "hard_silu", "hard_swish"
     Activation("sigmoid", "nn", "sigmoid", True, False),       # "sigmoid"
     Activation("tanh", "numpy", "tanh", True, False),          # "tanh", keras.ops.tanh
     Activation("tanh", "nn", "tanh", True, False),

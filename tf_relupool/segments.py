@@ -305,10 +305,11 @@ class Source:
     """How a segment's input u is recomputed from tensors kept anyway: `roots` and
     `value(roots)` (stock's ops in stock's order), and the tensors the chain skips."""
 
-    def __init__(self, roots, value, skipped):
+    def __init__(self, roots, value, skipped, shortcut=False):
         self.roots = list(roots)
         self.value = value
         self.skipped = tuple(skipped)
+        self.shortcut = shortcut  # a kept full-size tensor (an Add's shortcut) among the roots
 
 
 def _bn_value(y):
@@ -331,7 +332,7 @@ def _source(u):
     entry = _entry(u)
     seg = entry["segments"].get(u.name)
     if seg is not None:
-        return Source(seg.roots, seg.value, seg.skipped + (u,))
+        return Source(seg.roots, seg.value, seg.skipped + (u,), seg.source.shortcut)
     bns = entry["bn"]
     if u.name in bns:
         return Source(bns[u.name], _bn_value(u), (u,))
@@ -353,7 +354,8 @@ def _source(u):
     def value(ts):
         vals = [_bn_value(t)(ts[i:i + 3]) if kind == "bn" else ts[i] for kind, t, i in parts]
         return vals[0] + vals[1]
-    return Source(roots, value, tuple(p[1] for p in parts if p[0] == "bn") + (u,))
+    return Source(roots, value, tuple(p[1] for p in parts if p[0] == "bn") + (u,),
+                  any(p[0] == "keep" for p in parts))
 
 
 # ------------------------------------------------------------------------- G
@@ -366,7 +368,9 @@ class Segment:
         self.name = name            # the activation's table name, or "gate"
         self.source = source        # how u is recomputed
         self.op = op                # op(u_value, *extra_values): stock's call
-        self.hold = hold            # G's recomputation behind the barrier
+        # G's recomputation behind the barrier; not with a kept shortcut among the roots (held,
+        # it changed the fusion of an identity block's sum and its bits, measured on the CPU)
+        self.hold = hold and not source.shortcut
         self.extra = list(extra)    # kept tensors the op reads besides u (the gate)
         self.roots = source.roots + self.extra
         self.skipped = source.skipped
@@ -374,6 +378,13 @@ class Segment:
         self.output = None          # G's output, what every consumer reads
         self.ops = set()            # the names of G's forward ops
         self.default_relu = False   # a ReLU with default arguments (relu_input)
+
+    def held(self):
+        """Whether G's recomputation runs behind the barrier: the table's `hold`, except where
+        the roots hold a kept shortcut or the output feeds an Add (a residual sum): held there,
+        an identity block's fusion of that sum and its bits changed (measured on the CPU)."""
+        return self.hold and not any(op.type in ("AddV2", "Add")
+                                     for op in self.output.consumers())
 
     def value(self, ts):
         """The segment's output recomputed from roots `ts`."""
@@ -441,8 +452,8 @@ def _make_g(seg, u):
             if reason is None:
                 _stats["recomputed"] += 1
                 m = len(seg.source.roots)
-                held = (_hold(ts[:m], [da], big=u_in.shape.num_elements())[0] if seg.hold
-                        else ts[:m])
+                held = (_hold(ts[:m], [da], big=u_in.shape.num_elements())[0]
+                        if seg.held() else ts[:m])
                 with tf.GradientTape() as tape:
                     u2 = seg.source.value(held)
                     tape.watch([u2] + extra)
@@ -473,11 +484,17 @@ def _default_relu(row, args, kwargs):
     return all(not kwargs.get(k) for k in ("negative_slope", "max_value", "threshold"))
 
 
-HOLD_ENV_VAR = "TF_RELUPOOL_SEGMENT_HOLD"  # "all": every G's recomputation held (a study lever)
+#: a study lever: "all", or names of segment_table rows (and "gate"), comma-separated, whose G's
+#: recomputation is held whatever the table says; "none": no G held
+HOLD_ENV_VAR = "TF_RELUPOOL_SEGMENT_HOLD"
 
 
 def _hold_g(row):
-    return row.hold or os.environ.get(HOLD_ENV_VAR, "").strip().lower() == "all"
+    value = os.environ.get(HOLD_ENV_VAR, "").strip().lower()
+    if not value:
+        return row.hold
+    names = {v.strip() for v in value.split(",")}
+    return "all" in names or row.name in names
 
 
 def _relu_name(row, args, kwargs):
@@ -534,7 +551,8 @@ def _gate_wrapper(original):
                     def op(u, g, first=first):
                         with _Stock():
                             return original(u, g) if first else original(g, u)
-                    source = Source(prev.roots, prev.value, prev.skipped + (x,))
+                    source = Source(prev.roots, prev.value, prev.skipped + (x,),
+                                    prev.source.shortcut)
                     return _make_g(Segment("gate", source, op, _hold_g(segment_table.Activation(
                         "gate", None, None, False, False)), [gate]), x)
         return original(x1, x2)
@@ -552,7 +570,7 @@ def _pad_wrapper(original):
             def op(u):
                 with _Stock():
                     return original(u, pad_width, mode, constant_values)
-            source = Source(prev.roots, prev.value, prev.skipped + (x,))
+            source = Source(prev.roots, prev.value, prev.skipped + (x,), prev.source.shortcut)
             return _make_g(Segment("zero_pad", source, op, False), x)
         return original(x, pad_width, mode, constant_values)
     pad._tf_relupool_wraps = original
