@@ -10,7 +10,7 @@ loop TensorFlow documents for this strategy; Keras 3's `fit` fails under it, ker
     (the same on host1 with "index": 1)
 
 or, to try it on one machine, `--local-workers N` starts N worker processes on localhost (free
-ports picked here) and waits for them:
+ports picked here, outside the OS's ephemeral range) and waits for them:
 
     python examples/distributed.py --local-workers 2 --variants off,switch,layer --steps 4
 
@@ -41,9 +41,11 @@ within about 10 s, TensorFlow's default heartbeat timeout; --collective-timeout 
 collective (seconds; 0: no bound of its own).
 """
 import argparse
+import errno
 import hashlib
 import json
 import os
+import random
 import socket
 import statistics
 import subprocess
@@ -111,8 +113,70 @@ def parse_args(argv=None):
 
 # ---- the cluster: TF_CONFIG and local worker processes (no TensorFlow here) ----
 
+#: Linux's default ephemeral range (/proc/sys/net/ipv4/ip_local_port_range), where the OS picks
+#: the local port of every outgoing connection and of every bind to port 0.
+EPHEMERAL_DEFAULT = (32768, 60999)
+_PORT_FLOOR = 10000   # below: the well-known and registered services' usual ports
+
+
+def ephemeral_port_range():
+    """(low, high) of the ports the OS hands out by itself (Linux's setting, else its default)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low, high = (int(v) for v in f.read().split())
+        return low, high
+    except (OSError, ValueError):
+        return EPHEMERAL_DEFAULT
+
+
+def _bindable(port):
+    """Whether `port` can be bound now on every IPv4 address, and on every IPv6 one where the
+    machine has IPv6: where TensorFlow's gRPC server listens (0.0.0.0, dual-stack where it can)."""
+    families = [(socket.AF_INET, "0.0.0.0")]
+    if socket.has_ipv6:
+        families.append((socket.AF_INET6, "::"))
+    for family, host in families:
+        try:
+            s = socket.socket(family, socket.SOCK_STREAM)
+        except OSError:
+            continue   # no IPv6 here
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            if e.errno in (errno.EADDRINUSE, errno.EACCES):
+                return False
+            # the family has no such address here (IPv6 switched off): nothing can take it there
+        finally:
+            s.close()
+    return True
+
+
 def free_ports(n):
-    """n TCP ports free on localhost now (bound and released together, so distinct)."""
+    """n distinct TCP ports free on this machine now, outside the OS's ephemeral range.
+
+    The workers bind them seconds later (after importing TensorFlow). A port from the ephemeral
+    range (a bind to port 0) could be taken in between by any process's outgoing connection, the
+    workers' own included, and a worker would then fail to start its server ("Could not start
+    gRPC server") at random on a busy machine. Outside that range only a process that names the
+    port itself can take it. Chosen with the OS's randomness (not the `random` module, which a
+    seeded process repeats), so concurrent runs do not pick the same ports. Where the ephemeral
+    range leaves no room, ports from a bind to port 0 (bound and released together)."""
+    low, high = ephemeral_port_range()
+    spans = [(a, b) for a, b in ((_PORT_FLOOR, low - 1), (high + 1, 65535)) if a <= b]
+    total = sum(b - a + 1 for a, b in spans)
+    picker = random.SystemRandom()
+    ports = []
+    for _ in range(200 * n if total >= 100 * n else 0):
+        k = picker.randrange(total)
+        for a, b in spans:   # the k-th port of the spans
+            if k <= b - a:
+                port = a + k
+                break
+            k -= b - a + 1
+        if port not in ports and _bindable(port):
+            ports.append(port)
+            if len(ports) == n:
+                return ports
     socks = []
     try:
         for _ in range(n):

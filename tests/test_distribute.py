@@ -92,6 +92,23 @@ def _check_variants(variants, keep, local_replicas=1):
     assert variants["layer"]["pass_fusions"] == 0
 
 
+def test_worker_ports_lie_outside_the_ephemeral_range():
+    """The local workers' ports (start_local_workers) are free when picked and outside the range
+    where the OS picks ports by itself (any process's outgoing connection, any bind to port 0),
+    so that nothing but a process naming them can take them in the seconds before the workers
+    bind them. With ports from a bind to port 0 (the ephemeral range), another process's
+    connection could take one first, and that worker would fail to start its server at random
+    ("Could not start gRPC server")."""
+    dist = _script()
+    low, high = dist.ephemeral_port_range()
+    ports = dist.free_ports(3)
+    assert len(set(ports)) == 3 and all(0 < p < 65536 for p in ports), ports
+    room = max(0, low - dist._PORT_FLOOR) + max(0, 65535 - high)
+    if room >= 300:   # else free_ports falls back to ports from a bind to port 0
+        assert not any(low <= p <= high for p in ports), (ports, (low, high))
+    assert all(dist._bindable(p) for p in ports), ports
+
+
 @pytest.mark.parametrize("keep", ["argmax", "input"])
 def test_multi_worker_two_processes_bitwise_and_fused(tmp_path, keep):
     dist = _script()
