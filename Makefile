@@ -25,19 +25,21 @@ $(VENV)/.installed: $(VENV)/.deps $(SOURCES)
 install: $(VENV)/.installed
 
 # Tests import the installed package, not the source tree (run from tests/, see tests/conftest.py).
-# Then the modules that compare with stock TensorFlow run again with oneDNN off
-# (TF_ENABLE_ONEDNN_OPTS=0: stock's plain Eigen CPU kernels, the default on CPUs without AVX-512,
-# where stock has no NCHW Conv2D/MaxPool), so that neither a result nor a test that holds only
-# with oneDNN can land. (test_examples.py's stock-vs-fused trainings stay in the first pass only:
-# minutes each, and test_keras_integration.py covers bitwise training in the second.)
-STOCK_TESTS ?= tests/test_ops.py tests/test_rewrite.py tests/test_layers.py tests/test_patterns.py \
-	tests/test_keras_integration.py tests/test_fuzz.py tests/test_higher_order.py \
-	tests/test_grappler.py tests/test_fuse_relu_max_pool.py tests/test_fold_transposes.py \
-	tests/test_cpu_dispatch.py tests/test_xla.py tests/test_bn_relu.py tests/test_distribute.py
+# Then every module whose results can depend on the CPU runs again as an AVX2-only CPU runs it:
+# oneDNN off (TF_ENABLE_ONEDNN_OPTS=0: stock's plain Eigen kernels, TensorFlow's default on CPUs
+# without AVX-512, where stock has no NCHW Conv2D/MaxPool) and XLA's CPU code capped at AVX2
+# (--xla_cpu_max_isa=AVX2), the op library's CPU kernels on their AVX2 path (TF_RELUPOOL_CPU_ISA),
+# so that neither a result nor a test that holds only on an AVX-512 machine with oneDNN can land. Left out of that pass: modules that read no kernel's or XLA's
+# bits (the loader, versions, GPU-only ones) and test_examples.py's minutes-long trainings
+# (test_keras_integration.py, test_bn_relu.py and test_segments.py cover bitwise training there).
+CPU_INDEPENDENT ?= tests/test_loader.py tests/test_versions.py tests/test_gpu.py \
+	tests/test_gpu_build.py tests/test_examples.py
+STOCK_TESTS ?= $(filter-out $(CPU_INDEPENDENT),$(sort $(wildcard tests/test_*.py)))
+AVX2_ENV := TF_ENABLE_ONEDNN_OPTS=0 XLA_FLAGS="$$XLA_FLAGS --xla_cpu_max_isa=AVX2" TF_RELUPOOL_CPU_ISA=avx2
 
 test: install
 	$(VENV)/bin/pytest -q tests
-	TF_ENABLE_ONEDNN_OPTS=0 $(VENV)/bin/pytest -q $(STOCK_TESTS)
+	$(AVX2_ENV) $(VENV)/bin/pytest -q $(STOCK_TESTS)
 
 # Builds the package against other TensorFlow releases (one venv each under build/compat) and runs
 # the smoke subset with each: scripts/test_compat.sh; docs/install.md has the table.

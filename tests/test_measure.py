@@ -241,3 +241,32 @@ def test_a_switch_trial_that_does_not_fit_runs_once_more(monkeypatch):
     assert run.trial("switch", 8, 2, 4096) == {"status": "fits"}
     assert run.trial("switch", 16, 2, 4096)["status"] == "oom"  # the CPU: no autotuning
     assert len(calls) == 6
+
+
+def test_activations_flag_recomputes_under_xla(tmp_path):
+    """--activations: the switch's trials run enable_recompute(activations=True); under XLA
+    (--jit-compile true on the CPU) the JSON counts the recomputed segments and the table names
+    the variant."""
+    import keras
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([
+        keras.Input((16, 16, 3)),
+        keras.layers.Conv2D(8, 3, padding="same", use_bias=False),
+        keras.layers.BatchNormalization(),
+        keras.layers.ReLU(6.0),
+        keras.layers.Conv2D(8, 3, padding="same"),
+        keras.layers.GlobalAveragePooling2D(),
+        keras.layers.Dense(10),
+    ])
+    path = tmp_path / "bn.keras"
+    model.save(path)
+    out_json = tmp_path / "m.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "tf_relupool.measure", str(path), "--batch-size", "4", "--steps",
+         "2", "--jit-compile", "true", "--activations", "--json", str(out_json), "--quiet"],
+        capture_output=True, text=True, env=_env(), timeout=600, cwd=str(tmp_path))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    switch = json.loads(out_json.read_text())["variants"]["switch"]
+    assert switch["segments"]["recomputed"] >= 1, switch
+    assert switch["segments"]["by_activation"].get("relu6") == switch["segments"]["segments"]
+    assert "enable_recompute(activations=True)" in proc.stdout

@@ -92,8 +92,8 @@ def worker(spec):
               "device": dev.as_dict()}
     _stage(result, "load")
     try:
-        if spec["variant"] == "switch":
-            tf_relupool.enable_recompute()   # the one line, before the model is built
+        if spec["variant"] == "switch":  # the one line, before the model is built
+            tf_relupool.enable_recompute(activations=spec.get("activations", False))
         model = _build(keras, spec)
     except Exception as e:  # noqa: BLE001 - reported to the driver
         result.update(status=h.classify_error(type(e).__name__, str(e)), message=_first_line(e))
@@ -161,6 +161,9 @@ def worker(spec):
         result["grappler"] = {k: g[k] for k in ("fused_with_grad", "fused_forward_only",
                                                 "not_fused", "errors")}
         result["xla_trace"] = keras_fusion.stats()
+        if spec.get("activations"):
+            from tf_relupool import segments
+            result["segments"] = segments.stats()
         if result.get("jit_compile"):
             result["fused"], result["fused_by"] = result["xla_trace"]["fused"], "XLA"
         else:
@@ -208,7 +211,8 @@ class Run:
         spec = {"model": self.model, "source": self.source, "input_shape": a.input_shape,
                 "variant": variant, "batch": batch, "steps": steps, "limit": limit,
                 "jit_compile": a.jit_compile, "device": a.device,
-                "inter_op_threads": a.inter_op_threads}
+                "inter_op_threads": a.inter_op_threads,
+                "activations": bool(getattr(a, "activations", False))}
         env = h.trial_env() if limit else dict(os.environ)
         env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
         env.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "true")  # statistics on the CPU
@@ -461,6 +465,9 @@ def parse_args(argv=None):
     p.add_argument("--json", default=None, metavar="FILE", help="the raw figures as JSON")
     p.add_argument("--plot", default=None, metavar="FILE.png", help="a bar chart (matplotlib)")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
+    p.add_argument("--activations", action="store_true",
+                   help="the switch also recomputes activations under XLA: "
+                        "enable_recompute(activations=True)")
     args = p.parse_args(argv)
     try:
         if args.largest_batch and not args.memory_limit:
@@ -482,6 +489,8 @@ def parse_args(argv=None):
 
 def measure(args, quiet=False):
     """Runs the trials: the report (dict). UsageError for what the first trial shows is wrong."""
+    LABELS["switch"] = ("enable_recompute(activations=True)"
+                        if getattr(args, "activations", False) else "enable_recompute()")
     run = Run(args, args.source, args.model_ref, quiet=quiet)
     report = {"model": args.model, "source": args.source, "batch_size": args.batch_size,
               "jit_compile": args.jit_compile, "memory_limit_mib": args.memory_limit,
