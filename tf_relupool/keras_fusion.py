@@ -68,7 +68,9 @@ def _record(**event):
     """Adds a decision to the events of an active recording() on this thread."""
     events = getattr(_local, "record", None)
     if events is not None:
-        event["scope"] = _name_scope()
+        from tf_relupool import _compat
+        # the user's layer names (Keras' scope); TensorFlow's scope adds "_1" to re-traced names
+        event["scope"] = _compat.keras_layer_path() or _name_scope()
         events.append(event)
 
 

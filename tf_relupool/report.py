@@ -17,6 +17,11 @@ run, twice with the switch on:
 Bytes saved per step, for a fused pair: the pool's input (the ReLU's output, or its padded
 copy), which stock keeps for the pool's backward, minus the one-byte codes the fused op keeps
 instead, at the traced batch size.
+
+With `activations=True` the XLA trace also runs `enable_recompute(activations=True)` and lists
+every segment (tf_relupool/segments.py): recomputed, or why it took stock's route, and for a
+recomputed one the bytes of its output, which stock keeps for the next layer's gradient (an
+upper bound of what XLA frees: it may keep a copy of its own).
 """
 import collections
 
@@ -28,9 +33,11 @@ Pair = collections.namedtuple("Pair", "route where fused reason bytes_saved")
 class FusionReport:
     """The decisions of fusion_report (`pairs`: a list of dicts; str(): a Markdown table)."""
 
-    def __init__(self, pairs, batch_size):
+    def __init__(self, pairs, batch_size, routes=("xla", "grappler"), segments=None):
         self.pairs = pairs
         self.batch_size = batch_size
+        self.routes = tuple(routes)
+        self.segments = segments  # None, or [dicts] with activations=True
 
     def fused(self, route):
         return [p for p in self.pairs if p["route"] == route and p["fused"]]
@@ -45,9 +52,24 @@ class FusionReport:
             saved = "" if p["bytes_saved"] is None else f"{p['bytes_saved'] / 2 ** 20:.2f} MiB"
             lines.append(f"| {p['route']} | {p['where']} | {'yes' if p['fused'] else 'no'} | "
                          f"{p['reason'] or ''} | {saved} |")
-        for route in sorted({p["route"] for p in self.pairs}):
-            lines.append(f"\n{route}: {len(self.fused(route))} pair(s) fused, "
-                         f"{self.bytes_saved(route) / 2 ** 20:.2f} MiB saved per step")
+        for route in self.routes:
+            lines.append(f"\n{route}: {len(self.fused(route))} of "
+                         f"{sum(p['route'] == route for p in self.pairs)} ReLU + max-pool "
+                         f"pair(s) fused, {self.bytes_saved(route) / 2 ** 20:.2f} MiB saved per "
+                         "step")
+        if self.segments is not None:
+            lines += ["", "Activations recomputed under XLA (enable_recompute(activations=True)):",
+                      "", "| where | what | recomputed | why not | saved per step |",
+                      "|---|---|---|---|---|"]
+            for g in self.segments:
+                saved = "" if g["bytes_saved"] is None else f"{g['bytes_saved'] / 2 ** 20:.2f} MiB"
+                lines.append(f"| {g['where']} | {g['what']} | "
+                             f"{'yes' if g['recomputed'] else 'no'} | {g['reason'] or ''} | "
+                             f"{saved} |")
+            done = [g for g in self.segments if g["recomputed"]]
+            lines.append(f"\n{len(done)} of {len(self.segments)} segment(s) recomputed, "
+                         f"{sum(g['bytes_saved'] or 0 for g in done) / 2 ** 20:.2f} MiB saved per "
+                         "step at most")
         return "\n".join(lines)
 
     __repr__ = __str__
@@ -78,11 +100,21 @@ def _spec(model, batch_size):
     return tf.TensorSpec((batch_size,) + tuple(shape[1:]), model.inputs[0].dtype)
 
 
-def _xla_pairs(model, spec, keep):
+def _xla_pairs(model, spec, keep, activations=False, segment_rows=None):
     import tensorflow as tf
-    from tf_relupool import config, keras_fusion
-    with config.recompute(keep), keras_fusion.recording() as events:
+    from tf_relupool import config, keras_fusion, segments
+    with config.recompute(keep, activations=activations), keras_fusion.recording() as events, \
+            segments.recording() as traced:
         tf.function(_step(model), jit_compile=True).get_concrete_function(spec)
+    if segment_rows is not None:
+        for g in traced:
+            out = g.output
+            recomputed = g.route == "recomputed"
+            segment_rows.append({
+                "where": g.where, "what": g.name, "recomputed": recomputed,
+                "reason": None if recomputed else (g.route or "no gradient traced"),
+                "bytes_saved": (out.shape.num_elements() * out.dtype.size
+                                if recomputed and out.shape.is_fully_defined() else None)})
     pairs = []
     for e in events:
         saved = (e["pool_input_bytes"] - e["code_bytes"]
@@ -140,7 +172,8 @@ def _grappler_pairs(model, spec, keep):
     return pairs
 
 
-def fusion_report(model, batch_size=32, routes=("xla", "grappler"), keep="argmax"):
+def fusion_report(model, batch_size=32, routes=("xla", "grappler"), keep="argmax",
+                  activations=False):
     """What `enable_recompute(keep)` fuses in `model`'s training step, pair by pair (module doc).
 
     Args:
@@ -148,6 +181,8 @@ def fusion_report(model, batch_size=32, routes=("xla", "grappler"), keep="argmax
       batch_size: the batch the step is traced at (bytes saved scale with it).
       routes: "xla" (Keras' default compile on a GPU), "grappler" (no XLA), or both.
       keep: the switch's mode, "argmax" (default) or "input".
+      activations: also list the activation segments of enable_recompute(activations=True)
+        (XLA route only).
 
     Returns:
       A FusionReport: `pairs` (route, where, fused, reason, bytes_saved) and a printable table.
@@ -162,10 +197,15 @@ def fusion_report(model, batch_size=32, routes=("xla", "grappler"), keep="argmax
     bad = [r for r in routes if r not in ("xla", "grappler")]
     if bad or not routes:
         raise ValueError(f"fusion_report: routes must be 'xla' and/or 'grappler', got {routes!r}")
+    if not isinstance(activations, bool):
+        raise ValueError(f"fusion_report: activations must be True or False, got {activations!r}")
+    if activations and "xla" not in routes:
+        raise ValueError("fusion_report: activations=True needs the 'xla' route (activations "
+                         f"are recomputed under XLA only), got routes={routes!r}")
     spec = _spec(model, batch_size)
-    pairs = []
+    pairs, segment_rows = [], ([] if activations else None)
     if "xla" in routes:
-        pairs += _xla_pairs(model, spec, keep)
+        pairs += _xla_pairs(model, spec, keep, activations, segment_rows)
     if "grappler" in routes:
         pairs += _grappler_pairs(model, spec, keep)
-    return FusionReport(pairs, batch_size)
+    return FusionReport(pairs, batch_size, routes, segment_rows)

@@ -49,6 +49,7 @@ XLA only: outside XLA-compiled functions nothing here applies (the Grappler pass
 recompute activations).
 """
 import collections
+import contextlib
 import functools
 import logging
 import os
@@ -378,6 +379,8 @@ class Segment:
         self.output = None          # G's output, what every consumer reads
         self.ops = set()            # the names of G's forward ops
         self.default_relu = False   # a ReLU with default arguments (relu_input)
+        self.where = ""             # the Keras layers being called when it was traced
+        self.route = None           # "recomputed" or stock's reason, once its gradient is traced
 
     def held(self):
         """Whether G's recomputation runs behind the barrier: the table's `hold`, except where
@@ -429,11 +432,28 @@ def relu_input(t):
     return seg.u if seg is not None and seg.default_relu else None
 
 
+@contextlib.contextmanager
+def recording():
+    """Collects, on this thread, the segments traced while the block runs (a list of Segment:
+    `.name`, `.where` (the Keras layers being called), `.route` ("recomputed", a reason, or None
+    where no gradient was traced), `.output`); tf_relupool.fusion_report reads it."""
+    previous = getattr(_local, "record", None)
+    _local.record = events = []
+    try:
+        yield events
+    finally:
+        _local.record = previous
+
+
 def _make_g(seg, u):
     """G's output for seg applied to the traced input u (module doc)."""
     import tensorflow as tf
+    from tf_relupool import _compat
     n = len(seg.roots)
     seg.u = u
+    seg.where = _compat.keras_layer_path() or u.op.name
+    if getattr(_local, "record", None) is not None:
+        _local.record.append(seg)
 
     @tf.custom_gradient
     def g(*args):
@@ -449,6 +469,7 @@ def _make_g(seg, u):
 
         def _grad(da):
             reason = seg.stock_reason()
+            seg.route = reason or "recomputed"
             if reason is None:
                 _stats["recomputed"] += 1
                 m = len(seg.source.roots)
