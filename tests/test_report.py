@@ -37,7 +37,10 @@ def test_each_pair_fused_or_why_not_and_bytes_saved(route):
     assert pairs[0]["bytes_saved"] == 16 * 32 * 32 * 8 * 4 - 16 * 16 * 16 * 8
     assert pairs[2]["bytes_saved"] == 16 * 8 * 8 * 4 * 4 - 16 * 8 * 8 * 4
     assert report.bytes_saved(route) == pairs[0]["bytes_saved"] + pairs[2]["bytes_saved"]
-    assert "| no |" in str(report) and f"{route}: 2 pair(s) fused" in str(report)
+    assert "| no |" in str(report) and f"{route}: 2 of 3 ReLU + max-pool pair(s) fused" in str(
+        report)
+    if route == "xla":  # the user's layer names (TensorFlow's re-traced scope adds "_1")
+        assert [p["where"] for p in pairs] == ["p1", "p2", "p3"], pairs
 
 
 def test_both_routes_agree_and_the_switch_is_left_as_it_was():
@@ -77,3 +80,38 @@ def test_unknown_input_size_is_an_error():
     out = keras.layers.MaxPooling2D(2)(keras.layers.ReLU()(inp))
     with pytest.raises(ValueError, match="unknown dimensions"):
         tf_relupool.fusion_report(keras.Model(inp, out))
+
+
+def test_no_pool_still_says_zero_pairs():
+    keras.utils.set_random_seed(0)
+    inp = keras.Input((8, 8, 2))
+    x = keras.layers.Conv2D(4, 3, padding="same", activation="relu")(inp)
+    model = keras.Model(inp, keras.layers.Dense(3)(keras.layers.GlobalAveragePooling2D()(x)))
+    text = str(tf_relupool.fusion_report(model, batch_size=2))
+    assert "xla: 0 of 0 ReLU + max-pool pair(s) fused" in text
+    assert "grappler: 0 of 0 ReLU + max-pool pair(s) fused" in text
+
+
+def test_activation_segments_listed_with_their_route_and_bytes():
+    """activations=True: each segment of the XLA trace, named by the user's layer, recomputed or
+    why not; a recomputed one's output bytes."""
+    keras.utils.set_random_seed(0)
+    inp = keras.Input((8, 8, 2))
+    x = keras.layers.Conv2D(4, 3, padding="same", use_bias=False, name="c1")(inp)
+    x = keras.layers.ReLU(6.0, name="act1")(keras.layers.BatchNormalization(name="bn1")(x))
+    x = keras.layers.Conv2D(4, 3, padding="same", use_bias=False, name="c2")(x)
+    a = keras.layers.Activation("swish", name="act2")(
+        keras.layers.BatchNormalization(name="bn2")(x))
+    x = keras.layers.Concatenate()([keras.layers.GlobalAveragePooling2D()(a),
+                                    keras.layers.Flatten()(a)])  # a Flatten keeps act2's output
+    model = keras.Model(inp, keras.layers.Dense(3)(x))
+    report = tf_relupool.fusion_report(model, batch_size=2, routes="xla", activations=True)
+    rows = {g["where"]: g for g in report.segments}
+    assert set(rows) == {"act1", "act2"}, rows
+    assert rows["act1"]["what"] == "relu6" and rows["act1"]["recomputed"]
+    assert rows["act1"]["bytes_saved"] == 2 * 8 * 8 * 4 * 4
+    assert rows["act2"]["what"] == "silu" and not rows["act2"]["recomputed"]
+    assert "feeds" in rows["act2"]["reason"] and rows["act2"]["bytes_saved"] is None
+    assert "1 of 2 segment(s) recomputed" in str(report)
+    with pytest.raises(ValueError, match="activations"):
+        tf_relupool.fusion_report(model, routes="grappler", activations=True)
