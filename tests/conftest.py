@@ -348,3 +348,40 @@ def derivatives(f, z, dy, ddz, g=None):
     if g is None:
         return y, dz, ddy
     return y, dz, ddy, t3.gradient(ddy, ddz, output_gradients=g)
+
+
+@pytest.fixture
+def switch_off():
+    """The switch off before and after the test (modules take it with
+    `pytestmark = pytest.mark.usefixtures("switch_off")`)."""
+    import tf_relupool
+    tf_relupool.disable_recompute()
+    yield
+    tf_relupool.disable_recompute()
+
+
+def xla_temp_and_digest(model, size, batch, variants, tmp_path, head="softmax"):
+    """({variant: digest, "stats": ...}, {variant: XLA's preallocated temp bytes}) of
+    tests/xla_step_digest.py run in one subprocess for `variants` (comma-separated), with XLA's
+    buffer assignments dumped under tmp_path."""
+    import json
+    import subprocess
+    here = os.path.dirname(os.path.abspath(__file__))
+    dump = str(tmp_path / ("dump_" + variants.replace(",", "_")))
+    env = dict(os.environ, XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") + f" --xla_dump_to={dump}"
+                                      " --xla_dump_hlo_module_re=.*digest_step.*").strip())
+    proc = subprocess.run([sys.executable, os.path.join(here, "xla_step_digest.py"), model,
+                           str(size), str(batch), variants, head],
+                          capture_output=True, text=True, timeout=900, cwd=here, env=env)
+    lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
+    xla_buffers = benchmarks_module("xla_buffers")
+    temps = {}
+    for variant in variants.split(","):
+        sizes = [s for name in os.listdir(dump)
+                 if f"digest_step_{variant}" in name and name.endswith("buffer-assignment.txt")
+                 for _, s, kind in xla_buffers.allocations(os.path.join(dump, name))
+                 if "preallocated-temp" in kind]
+        assert sizes, (variant, sorted(os.listdir(dump))[:20])
+        temps[variant] = max(sizes)
+    return json.loads(lines[-1][len("RESULT "):]), temps

@@ -7,11 +7,7 @@ bytes. The memory checks read XLA's preallocated temp buffer from a dump of the 
 assignment (one subprocess per model: XLA reads its flags once per process).
 """
 import inspect
-import json
 import logging
-import os
-import subprocess
-import sys
 
 import keras
 import numpy as np
@@ -21,9 +17,9 @@ from keras import layers
 
 import tf_relupool
 from tf_relupool import _example_models, _versions, gradient_sources, keras_fusion, segments
-from conftest import assert_bitwise_equal, benchmarks_module, global_policy, optimized_hlo_shape
+from conftest import (assert_bitwise_equal, global_policy, optimized_hlo_shape,
+                      xla_temp_and_digest)
 
-HERE = os.path.dirname(os.path.abspath(__file__))
 LR = 0.01
 
 
@@ -444,72 +440,9 @@ def test_hooks_installed_only_with_bn_relu_and_removed_by_disable():
 
 # ---- the saving: XLA's temp buffer (one subprocess per model) ------------------------------
 
-_MEMORY = r"""
-import hashlib, json, os, sys
-sys.path.insert(0, sys.argv[1])
-import numpy as np, tensorflow as tf, keras, tf_relupool
-from tf_relupool import _example_models, segments
-model_name, size, batch = sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
-tf.config.set_visible_devices([], "GPU")
-keras.utils.set_random_seed(0)
-if model_name == "resnet":
-    model = _example_models.resnet(input_shape=(size, size, 3))
-else:
-    model = keras.applications.ResNet50(weights=None, input_shape=(size, size, 3))
-init = model.get_weights()
-rng = np.random.default_rng(0)
-x = tf.constant(rng.standard_normal((batch, size, size, 3)).astype("float32"))
-y = tf.constant(rng.integers(0, 10, (batch,)).astype("int32"))
-tvars = model.trainable_variables
-result = {}
-for variant, switch in [("stock", None), ("switch", {}), ("product", {"bn_relu": True})]:
-    if switch is None:
-        tf_relupool.disable_recompute()
-    else:
-        tf_relupool.enable_recompute(**switch)
-    model.set_weights(init)
-    def step(x, y):
-        with tf.GradientTape() as tape:
-            loss = tf.reduce_mean(keras.losses.sparse_categorical_crossentropy(
-                y, model(x, training=True), from_logits=model_name == "resnet"))
-        grads = tape.gradient(loss, tvars)
-        for v, g in zip(tvars, grads):
-            v.assign_sub(0.01 * g)
-        return [loss] + grads
-    step.__name__ = "bnrelu_step_" + variant
-    step = tf.function(step, jit_compile=True)
-    digest = hashlib.sha256()
-    for _ in range(2):
-        for t in step(x, y):
-            digest.update(t.numpy().tobytes())
-    for w in model.weights:
-        digest.update(w.numpy().tobytes())
-    result[variant] = digest.hexdigest()
-result["recomputed"] = segments.stats()["recomputed"]
-print("RESULT " + json.dumps(result))
-"""
-
-
 def _temp_sizes(model, size, batch, tmp_path):
-    dump = str(tmp_path / "dump")
-    env = dict(os.environ, XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") + f" --xla_dump_to={dump}"
-                                      " --xla_dump_hlo_as_text"
-                                      " --xla_dump_hlo_module_re=.*bnrelu_step.*").strip())
-    proc = subprocess.run([sys.executable, "-c", _MEMORY, os.path.dirname(HERE), model,
-                           str(size), str(batch)], capture_output=True, text=True, timeout=900,
-                          cwd=HERE, env=env)
-    lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
-    result = json.loads(lines[-1][len("RESULT "):])
-    xla_buffers = benchmarks_module("xla_buffers")
-    temps = {}
-    for variant in ("stock", "switch", "product"):
-        sizes = [s for name in os.listdir(dump)
-                 if f"bnrelu_step_{variant}" in name and name.endswith("buffer-assignment.txt")
-                 for _, s, kind in xla_buffers.allocations(os.path.join(dump, name))
-                 if "preallocated-temp" in kind]
-        assert sizes, (variant, sorted(os.listdir(dump))[:20])
-        temps[variant] = max(sizes)
+    result, temps = xla_temp_and_digest(model, size, batch, "stock,switch,product", tmp_path)
+    result["recomputed"] = result["stats"]["recomputed"]
     return result, temps
 
 

@@ -9,29 +9,16 @@ computes from the recomputation. The memory checks read XLA's preallocated temp 
 dump of the step's buffer assignment, one subprocess per variant (XLA reads its flags once per
 process; Dropout's seeds then match too).
 """
-import json
-import os
-import subprocess
-import sys
-
 import keras
 import pytest
-import tensorflow as tf
 from keras import layers
 
 import tf_relupool
 from tf_relupool import segment_table, segments
-from conftest import benchmarks_module, global_policy
+from conftest import global_policy, xla_temp_and_digest
 from test_bn_relu import _stock_and_product
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-
-
-@pytest.fixture(autouse=True)
-def switch_off():
-    tf_relupool.disable_recompute()
-    yield
-    tf_relupool.disable_recompute()
+pytestmark = pytest.mark.usefixtures("switch_off")
 
 
 # Every row of segment_table.ACTIVATIONS, in its Keras forms: (table name, layer factory).
@@ -183,64 +170,15 @@ def test_output_read_elsewhere_takes_stocks_route():
 
 # ---- the saving on keras.applications models: XLA's temp buffer, one process per variant ----
 
-_MEMORY = r"""
-import hashlib, json, sys
-import numpy as np, tensorflow as tf, keras, tf_relupool
-from tf_relupool import segments
-name, size, batch, variant = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
-tf.config.set_visible_devices([], "GPU")
-keras.utils.set_random_seed(0)
-model = getattr(keras.applications, name)(weights=None, input_shape=(size, size, 3),
-                                          classes=10, classifier_activation=None)
-rng = np.random.default_rng(0)
-x = tf.constant(rng.standard_normal((batch, size, size, 3)).astype("float32"))
-y = tf.constant(rng.integers(0, 10, (batch,)).astype("int32"))
-if variant == "product":
-    tf_relupool.enable_recompute(activations=True)
-tvars = model.trainable_variables
-def step(x, y):
-    with tf.GradientTape() as tape:
-        loss = tf.reduce_mean(keras.losses.sparse_categorical_crossentropy(
-            y, model(x, training=True), from_logits=True))
-    grads = tape.gradient(loss, tvars)
-    for v, g in zip(tvars, grads):
-        v.assign_sub(0.01 * g)
-    return [loss] + grads
-step.__name__ = "segments_step"
-step = tf.function(step, jit_compile=True)
-digest = hashlib.sha256()
-for _ in range(2):
-    for t in step(x, y):
-        digest.update(t.numpy().tobytes())
-for w in model.weights:
-    digest.update(w.numpy().tobytes())
-print("RESULT " + json.dumps(dict(digest=digest.hexdigest(), stats=segments.stats())))
-"""
-
-
-def _temp_and_digest(name, size, batch, variant, tmp_path):
-    dump = str(tmp_path / variant)
-    env = dict(os.environ, XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") + f" --xla_dump_to={dump}"
-                                      " --xla_dump_hlo_module_re=.*segments_step.*").strip())
-    proc = subprocess.run([sys.executable, "-c", _MEMORY, name, str(size), str(batch), variant],
-                          capture_output=True, text=True, timeout=900, cwd=HERE, env=env)
-    lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
-    xla_buffers = benchmarks_module("xla_buffers")
-    sizes = [s for f in os.listdir(dump) if f.endswith("buffer-assignment.txt")
-             for _, s, kind in xla_buffers.allocations(os.path.join(dump, f))
-             if "preallocated-temp" in kind]
-    assert sizes, sorted(os.listdir(dump))[:20]
-    return json.loads(lines[-1][len("RESULT "):]), max(sizes)
-
-
 @pytest.mark.parametrize("name,size", [("MobileNetV2", 64), ("EfficientNetB0", 64)])
 def test_application_trains_bitwise_with_a_smaller_temp_buffer(name, size, tmp_path):
     """keras.applications' MobileNetV2 (ReLU(6.), zero pads) and EfficientNetB0 (swish, SE
     gates, dropout) under jit_compile=True on the CPU: two SGD steps bitwise with stock, every
     segment recomputed, XLA's temp buffer smaller."""
-    stock, stock_temp = _temp_and_digest(name, size, 4, "stock", tmp_path)
-    product, product_temp = _temp_and_digest(name, size, 4, "product", tmp_path)
-    assert product["digest"] == stock["digest"]
+    # one process per variant: Dropout's seeds are drawn as in a fresh process for both
+    stock, stock_temp = xla_temp_and_digest(name, size, 4, "stock", tmp_path, head="logits")
+    product, product_temp = xla_temp_and_digest(name, size, 4, "product", tmp_path,
+                                                head="logits")
+    assert product["product"] == stock["stock"]
     assert product["stats"]["recomputed"] > 0 and product["stats"]["stock"] == 0, product
-    assert product_temp < stock_temp, (product_temp, stock_temp)
+    assert product_temp["product"] < stock_temp["stock"], (product_temp, stock_temp)

@@ -48,7 +48,7 @@ import threading
 
 import numpy as np
 
-from tf_relupool import _geometry, _state, gradient_sources, patterns, segments
+from tf_relupool import _geometry, _reentry, _state, gradient_sources, patterns, segments
 
 logger = logging.getLogger("tf_relupool")
 
@@ -56,7 +56,7 @@ _lock = threading.Lock()
 _original = []  # [Keras' own max_pool] while the wrapper is installed
 _tf_originals = {}  # (id(module), name) -> (module, TensorFlow's own function) while wrapped
 _TF_NAMES = ("max_pool2d", "max_pool")
-_local = threading.local()  # .bypass: a wrapper calls what it wraps; .probe: the names reached
+_local = threading.local()  # .probe: the names reached
 _probed = set()  # the (Keras nn, tf.nn) pairs whose probe found every path reaching a wrapper
 _stats = {"fused": 0, "fused_through_pad": 0}
 _fallen_back = {"unknown_size": 0, "large_window": 0}  # xla.UNKNOWN_SIZE, xla.LARGE_WINDOW
@@ -238,19 +238,13 @@ def _pad_constant(op, output):
     return paddings.tolist(), c
 
 
-class _Bypass:
-    """While a wrapper calls the function it wraps: the wrappers pass straight through."""
-
-    def __enter__(self):
-        _local.bypass = getattr(_local, "bypass", 0) + 1
-
-    def __exit__(self, *exc):
-        _local.bypass -= 1
+#: while a wrapper calls what it wraps: the wrappers pass straight through
+_bypass = _reentry.Reentry()
 
 
 def _active():
     from tf_relupool import xla
-    return (not getattr(_local, "bypass", 0) and _state.mode() is not None
+    return (not _bypass.active() and _state.mode() is not None
             and xla.in_xla_context())
 
 
@@ -333,7 +327,7 @@ def _max_pool(inputs, pool_size, strides=None, padding="valid", data_format=None
     original = _original[0] if _original else _backend_nn().max_pool
 
     def stock_pool(t):
-        with _Bypass():
+        with _bypass:
             return original(t, pool_size, strides, padding, data_format)
     if _active() and isinstance(padding, str):
         import keras
@@ -358,7 +352,7 @@ def _tf_wrapper(fn_name, original):
             data_format = "NHWC"
 
         def stock_pool(t):
-            with _Bypass():
+            with _bypass:
                 return original(t, ksize, strides, padding, data_format=data_format, name=name)
         fmt = "NHWC" if data_format is None else data_format
         if _active() and isinstance(padding, str) and fmt in ("NHWC", "NCHW"):

@@ -56,7 +56,7 @@ import os
 import threading
 import weakref
 
-from tf_relupool import _state, gradient_sources, segment_table
+from tf_relupool import _reentry, _state, gradient_sources, segment_table
 
 logger = logging.getLogger("tf_relupool")
 
@@ -66,7 +66,7 @@ BARRIERS = ("auto", "xla", "select")
 _lock = threading.Lock()
 _patches = []  # [(owner, attribute, original, wrapper)] while installed
 _stats = collections.Counter()
-_local = threading.local()  # .depth: inside an activation hook's stock call (nested hooks pass)
+_local = threading.local()  # .record: an active recording()
 _DTYPES = ("float16", "bfloat16", "float32", "float64")
 
 
@@ -233,18 +233,8 @@ class _Ours:
         _graphs.of(self.graph)["ops"].update(self.new)
 
 
-class _Stock:
-    """Inside an activation hook's stock call: the hooks it reaches pass through."""
-
-    def __enter__(self):
-        _local.depth = getattr(_local, "depth", 0) + 1
-
-    def __exit__(self, *exc):
-        _local.depth -= 1
-
-
-def _inside_stock_call():
-    return getattr(_local, "depth", 0) > 0
+#: inside an activation hook's stock call: the hooks it reaches pass through
+_stock_call = _reentry.Reentry()
 
 
 # ------------------------------------------------------------------------- BatchNormalization
@@ -534,9 +524,9 @@ def _activation_wrapper(row, original):
     @functools.wraps(fn)
     def activation(x, *args, **kwargs):
         def stock(t):
-            with _Stock():
+            with _stock_call:
                 return fn(t, *args, **kwargs)
-        if not _inside_stock_call() and _active():
+        if not _stock_call.active() and _active():
             source = _source(x)
             if source is not None:
                 seg = Segment(_relu_name(row, args, kwargs), source, stock, _hold_g(row))
@@ -564,13 +554,13 @@ def _gate_wrapper(original):
     @functools.wraps(original)
     def multiply(x1, x2):
         import tensorflow as tf
-        if not _inside_stock_call() and _active() and isinstance(x1, tf.Tensor) and isinstance(
+        if not _stock_call.active() and _active() and isinstance(x1, tf.Tensor) and isinstance(
                 x2, tf.Tensor) and x1.dtype == x2.dtype:
             for x, gate, first in ((x1, x2, True), (x2, x1, False)):
                 prev = _segment_of(x)
                 if prev is not None and _per_channel(gate, x):
                     def op(u, g, first=first):
-                        with _Stock():
+                        with _stock_call:
                             return original(u, g) if first else original(g, u)
                     source = Source(prev.roots, prev.value, prev.skipped + (x,),
                                     prev.source.shortcut)
@@ -584,12 +574,12 @@ def _gate_wrapper(original):
 def _pad_wrapper(original):
     @functools.wraps(original)
     def pad(x, pad_width, mode="constant", constant_values=None):
-        prev = (_segment_of(x) if _active() and not _inside_stock_call()
+        prev = (_segment_of(x) if _active() and not _stock_call.active()
                 and str(mode).lower() == "constant" and not constant_values else None)
         if prev is not None and not prev.default_relu:  # ReLU -> Pad -> max pool: the pool
             # fusion's pattern (keras_fusion), which keeps one-byte codes instead
             def op(u):
-                with _Stock():
+                with _stock_call:
                     return original(u, pad_width, mode, constant_values)
             source = Source(prev.roots, prev.value, prev.skipped + (x,), prev.source.shortcut)
             return _make_g(Segment("zero_pad", source, op, False), x)
@@ -606,7 +596,7 @@ _EXTENDER_WRAPPERS = {"gate": _gate_wrapper, "zero_pad": _pad_wrapper}
 def _consumer_wrapper(row, original):
     @functools.wraps(original)
     def consumer(inputs, *args, **kwargs):
-        seg = _segment_of(inputs) if _active() and not _inside_stock_call() else None
+        seg = _segment_of(inputs) if _active() and not _stock_call.active() else None
         if seg is not None:
             return _consume(seg, row, original, inputs, args, kwargs)
         return original(inputs, *args, **kwargs)

@@ -1,0 +1,67 @@
+"""Runs two SGD steps of a model under tf.function(jit_compile=True) on the CPU, once per variant,
+and prints `RESULT {json}`: each variant's digest of both steps' losses and gradients and of
+every weight after them, and segments.stats(). A subprocess of the tests (conftest's
+xla_temp_and_digest), so that XLA reads the dump flags the test sets.
+
+    python xla_step_digest.py MODEL SIZE BATCH VARIANTS HEAD
+
+MODEL: an example model of tf_relupool._example_models ("resnet") or a keras.applications name;
+VARIANTS: comma-separated stock (switch off), switch (enable_recompute()), product
+(enable_recompute(activations=True)); HEAD: "softmax" (1000 classes, probabilities) or
+"logits" (10 classes). Each variant's step function is named digest_step_<variant>.
+"""
+import hashlib
+import json
+import sys
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+import tf_relupool
+from tf_relupool import _example_models, segments
+
+name, size, batch, variants, head = (sys.argv[1], int(sys.argv[2]), int(sys.argv[3]),
+                                     sys.argv[4].split(","), sys.argv[5])
+tf.config.set_visible_devices([], "GPU")
+keras.utils.set_random_seed(0)
+logits = head == "logits" or hasattr(_example_models, name)
+if hasattr(_example_models, name):
+    model = getattr(_example_models, name)(input_shape=(size, size, 3))
+elif head == "logits":
+    model = getattr(keras.applications, name)(weights=None, input_shape=(size, size, 3),
+                                              classes=10, classifier_activation=None)
+else:
+    model = getattr(keras.applications, name)(weights=None, input_shape=(size, size, 3))
+init = model.get_weights()
+rng = np.random.default_rng(0)
+x = tf.constant(rng.standard_normal((batch, size, size, 3)).astype("float32"))
+y = tf.constant(rng.integers(0, 10, (batch,)).astype("int32"))
+tvars = model.trainable_variables
+result = {}
+for variant in variants:
+    if variant == "stock":
+        tf_relupool.disable_recompute()
+    else:
+        tf_relupool.enable_recompute(activations=variant == "product")
+    model.set_weights(init)
+
+    def step(x, y):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(keras.losses.sparse_categorical_crossentropy(
+                y, model(x, training=True), from_logits=logits))
+        grads = tape.gradient(loss, tvars)
+        for v, g in zip(tvars, grads):
+            v.assign_sub(0.01 * g)
+        return [loss] + grads
+    step.__name__ = "digest_step_" + variant
+    step = tf.function(step, jit_compile=True)
+    digest = hashlib.sha256()
+    for _ in range(2):
+        for t in step(x, y):
+            digest.update(t.numpy().tobytes())
+    for w in model.weights:
+        digest.update(w.numpy().tobytes())
+    result[variant] = digest.hexdigest()
+result["stats"] = segments.stats()
+print("RESULT " + json.dumps(result))
