@@ -311,6 +311,7 @@ def optimized_hlo_shape(fn, *args):
             continue
         line = re.sub(r", metadata=\{[^}]*\}", "", line)
         line = re.sub(r"%[\w.\-]+", "%v", line)
+        line = re.sub(r"\b[A-Za-z_][\w\-]*(\.\d+)+\b", "v", line)  # x.409 (older XLA's params)
         lines.append(re.sub(r"\b(fused_computation|wrapped_\w+|region)[\w.]*", "f", line).strip())
     return sorted(l for l in lines if l)
 
