@@ -469,7 +469,7 @@ def test_resnet50_temp_buffer_at_most_half_of_stocks(tmp_path):
     stem differs from stock's in the last bits, docs/xla.md), the temp buffer at most half of
     stock's (measured 25.1 against 75.3 MiB). Slow: three compilations in a fresh process,
     about 55 s on the 2-core Xeon."""
-    result, temps = _temp_sizes("resnet50", 64, 4, tmp_path)
+    result, temps = _temp_sizes("ResNet50", 64, 4, tmp_path)
     assert result["product"] == result["switch"]
     assert temps["product"] <= 0.5 * temps["stock"], temps
 
