@@ -31,7 +31,9 @@ G's gradient is always stock's gradient function of its op, given to its traced 
 where the tape goes on through stock's ops (so gradients with respect to u, or summed there from
 several consumers, are stock's). On the recompute route the values that gradient reads come from
 u recomputed from the segment's kept inputs instead of the forward's copy; for activations marked
-`hold` that recomputation runs behind the barrier. C's recomputation always does. The barrier:
+`hold` that recomputation runs behind the barrier. C's recomputation always does. Only the
+full-size inputs and a consumer's kernels are held; BN's per-channel inv/shift and a gate stay
+free (held, their arithmetic fused otherwise and the bits changed). The barrier:
 XLA's optimization barrier on a GPU; on the CPU, whose pipeline deletes that barrier before
 fusion and scheduling, `select(p, x, 0)` of every recomputation input, where p is a tautology read
 from the incoming gradient ((e == e) | (e != e)), exact for every value.
