@@ -1,6 +1,7 @@
 """A per-thread re-entry mark for trace-time wrappers: while a wrapper calls the function it
 wraps (`with mark:`), the wrappers that function reaches pass straight through
-(`mark.active()`)."""
+(`mark.active()`); and a per-thread recorder of trace-time decisions."""
+import contextlib
 import threading
 
 
@@ -17,3 +18,29 @@ class Reentry:
 
     def active(self):
         return getattr(self._local, "depth", 0) > 0
+
+
+class Recorder:
+    """Per-thread collection for fusion_report: `with recorder.recording() as events:` collects
+    what `recorder.add(event)` is given on this thread while the block runs (nested blocks
+    collect their own)."""
+
+    def __init__(self):
+        self._local = threading.local()
+
+    @contextlib.contextmanager
+    def recording(self):
+        previous = getattr(self._local, "events", None)
+        self._local.events = events = []
+        try:
+            yield events
+        finally:
+            self._local.events = previous
+
+    def active(self):
+        return getattr(self._local, "events", None) is not None
+
+    def add(self, event):
+        events = getattr(self._local, "events", None)
+        if events is not None:
+            events.append(event)

@@ -42,7 +42,6 @@ Keras' wrapper fuses it) and a ReLU + `tf.nn.max_pool2d` / `tf.nn.max_pool` insi
 where the call does not reach the wrapper. The switch is read at trace time, like everything
 else it does: functions traced before it changed keep what they were traced with.
 """
-import contextlib
 import logging
 import threading
 
@@ -66,12 +65,11 @@ _warned = set()  # the roles without a rule here, warned once
 
 def _record(**event):
     """Adds a decision to the events of an active recording() on this thread."""
-    events = getattr(_local, "record", None)
-    if events is not None:
+    if _recorder.active():
         from tf_relupool import _compat
         # the user's layer names (Keras' scope); TensorFlow's scope adds "_1" to re-traced names
         event["scope"] = _compat.keras_layer_path() or _name_scope()
-        events.append(event)
+        _recorder.add(event)
 
 
 def _name_scope():
@@ -82,17 +80,14 @@ def _name_scope():
         return ""
 
 
-@contextlib.contextmanager
+_recorder = _reentry.Recorder()
+
+
 def recording():
     """Collects, on this thread, each trace-time decision of the switch under XLA while the
     block runs: a list of dicts {"fused": bool, "reason" (when not fused), "path", "scope",
     "input_op", "pool_input_bytes", "code_bytes"}; tf_relupool.fusion_report reads it."""
-    previous = getattr(_local, "record", None)
-    _local.record = events = []
-    try:
-        yield events
-    finally:
-        _local.record = previous
+    return _recorder.recording()
 
 
 def stats():
@@ -286,7 +281,7 @@ def _fuse(inputs, ksize, strides, padding, fmt, stock_pool, path):
         z = tf.pad(z, pad[0], constant_values=tf.constant(pad[1], z.dtype))
     _stats["fused"] += 1
     _stats["fused_through_pad"] += pad is not None
-    if getattr(_local, "record", None) is not None:
+    if _recorder.active():
         known = inputs.shape.is_fully_defined()
         _record(fused=True, path=path, input_op=inputs.op.name, through_pad=pad is not None,
                 pool_input_bytes=(inputs.shape.num_elements() * inputs.dtype.size

@@ -51,7 +51,6 @@ XLA only: outside XLA-compiled functions nothing here applies (the Grappler pass
 recompute activations).
 """
 import collections
-import contextlib
 import functools
 import logging
 import os
@@ -68,7 +67,6 @@ BARRIERS = ("auto", "xla", "select")
 _lock = threading.Lock()
 _patches = []  # [(owner, attribute, original, wrapper)] while installed
 _stats = collections.Counter()
-_local = threading.local()  # .record: an active recording()
 _DTYPES = ("float16", "bfloat16", "float32", "float64")
 
 
@@ -424,17 +422,14 @@ def relu_input(t):
     return seg.u if seg is not None and seg.default_relu else None
 
 
-@contextlib.contextmanager
+_recorder = _reentry.Recorder()
+
+
 def recording():
     """Collects, on this thread, the segments traced while the block runs (a list of Segment:
     `.name`, `.where` (the Keras layers being called), `.route` ("recomputed", a reason, or None
     where no gradient was traced), `.output`); tf_relupool.fusion_report reads it."""
-    previous = getattr(_local, "record", None)
-    _local.record = events = []
-    try:
-        yield events
-    finally:
-        _local.record = previous
+    return _recorder.recording()
 
 
 def _make_g(seg, u):
@@ -444,8 +439,7 @@ def _make_g(seg, u):
     n = len(seg.roots)
     seg.u = u
     seg.where = _compat.keras_layer_path() or u.op.name
-    if getattr(_local, "record", None) is not None:
-        _local.record.append(seg)
+    _recorder.add(seg)
 
     @tf.custom_gradient
     def g(*args):
