@@ -100,21 +100,22 @@ def _spec(model, batch_size):
     return tf.TensorSpec((batch_size,) + tuple(shape[1:]), model.inputs[0].dtype)
 
 
-def _xla_pairs(model, spec, keep, activations=False, segment_rows=None):
+def _xla_pairs(model, spec, keep, activations=False):
+    """(pairs, segment rows) of the XLA trace; the rows are [] without `activations`."""
     import tensorflow as tf
     from tf_relupool import config, keras_fusion, segments
     with config.recompute(keep, activations=activations), keras_fusion.recording() as events, \
             segments.recording() as traced:
         tf.function(_step(model), jit_compile=True).get_concrete_function(spec)
-    if segment_rows is not None:
-        for g in traced:
-            out = g.output
-            recomputed = g.route == "recomputed"
-            segment_rows.append({
-                "where": g.where, "what": g.name, "recomputed": recomputed,
-                "reason": None if recomputed else (g.route or "no gradient traced"),
-                "bytes_saved": (out.shape.num_elements() * out.dtype.size
-                                if recomputed and out.shape.is_fully_defined() else None)})
+    segment_rows = []
+    for g in traced:
+        out = g.output
+        recomputed = g.route == "recomputed"
+        segment_rows.append({
+            "where": g.where, "what": g.name, "recomputed": recomputed,
+            "reason": None if recomputed else (g.route or "no gradient traced"),
+            "bytes_saved": (out.shape.num_elements() * out.dtype.size
+                            if recomputed and out.shape.is_fully_defined() else None)})
     pairs = []
     for e in events:
         saved = (e["pool_input_bytes"] - e["code_bytes"]
@@ -122,7 +123,7 @@ def _xla_pairs(model, spec, keep, activations=False, segment_rows=None):
         pairs.append({"route": "xla", "where": e["scope"] or e.get("input_op") or "?",
                       "fused": e["fused"], "reason": e.get("reason"),
                       "bytes_saved": saved if e["fused"] else None})
-    return pairs
+    return pairs, segment_rows
 
 
 _POOLS = ("MaxPool", "MaxPoolV2")
@@ -203,9 +204,10 @@ def fusion_report(model, batch_size=32, routes=("xla", "grappler"), keep="argmax
         raise ValueError("fusion_report: activations=True needs the 'xla' route (activations "
                          f"are recomputed under XLA only), got routes={routes!r}")
     spec = _spec(model, batch_size)
-    pairs, segment_rows = [], ([] if activations else None)
+    pairs, segment_rows = [], None
     if "xla" in routes:
-        pairs += _xla_pairs(model, spec, keep, activations, segment_rows)
+        pairs, rows = _xla_pairs(model, spec, keep, activations)
+        segment_rows = rows if activations else None
     if "grappler" in routes:
         pairs += _grappler_pairs(model, spec, keep)
     return FusionReport(pairs, batch_size, routes, segment_rows)

@@ -323,7 +323,7 @@ def _source(u):
     entry = _entry(u)
     seg = entry["segments"].get(u.name)
     if seg is not None:
-        return Source(seg.roots, seg.value, seg.skipped + (u,), seg.source.shortcut)
+        return seg.as_source()
     bns = entry["bn"]
     if u.name in bns:
         return Source(bns[u.name], _bn_value(u), (u,))
@@ -368,7 +368,6 @@ class Segment:
         self.u = None               # the traced input
         self.output = None          # G's output, what every consumer reads
         self.ops = set()            # the names of G's forward ops
-        self.default_relu = False   # a ReLU with default arguments (relu_input)
         self.where = ""             # the Keras layers being called when it was traced
         self.route = None           # "recomputed" or stock's reason, once its gradient is traced
 
@@ -378,6 +377,16 @@ class Segment:
         an identity block's fusion of that sum and its bits changed (measured on the CPU)."""
         return self.hold and not any(op.type in ("AddV2", "Add")
                                      for op in self.output.consumers())
+
+    @property
+    def default_relu(self):
+        """A ReLU with default arguments (relu_input: what the pool fusion takes)."""
+        return self.name == "relu"
+
+    def as_source(self):
+        """The Source of an op applied to this segment's output (a chain)."""
+        return Source(self.roots, self.value, self.skipped + (self.output,),
+                      self.source.shortcut)
 
     def value(self, ts):
         """The segment's output recomputed from roots `ts`."""
@@ -484,31 +493,31 @@ def _make_g(seg, u):
     return seg.output
 
 
-def _default_relu(row, args, kwargs):
-    """Whether this call is a ReLU with default arguments (what the pool fusion takes)."""
-    if row.name != "relu" or args:
-        return False
-    return all(not kwargs.get(k) for k in ("negative_slope", "max_value", "threshold"))
-
-
 #: a study lever: "all", or names of segment_table rows (and "gate"), comma-separated, whose G's
 #: recomputation is held whatever the table says; "none": no G held
 HOLD_ENV_VAR = "TF_RELUPOOL_SEGMENT_HOLD"
 
 
-def _hold_g(row):
+def _hold_g(name, hold):
+    """The table's `hold` for the row `name`, unless HOLD_ENV_VAR says otherwise."""
     value = os.environ.get(HOLD_ENV_VAR, "").strip().lower()
     if not value:
-        return row.hold
+        return hold
     names = {v.strip() for v in value.split(",")}
-    return "all" in names or row.name in names
+    return "all" in names or name in names
+
+
+_RELU_ARGS = ("negative_slope", "max_value", "threshold")  # ReLU.static_call's, in order
 
 
 def _relu_name(row, args, kwargs):
-    """The table's name, or for ReLU's static_call the form its arguments make (stats)."""
-    if row.owner != "ReLU" or args:
+    """The table's name, or for ReLU's static_call the form its arguments make: "relu" only
+    with default arguments (the one the pool fusion takes), "relu6", "relu(max_value)",
+    "relu(negative_slope, threshold)"."""
+    if row.owner != "ReLU":
         return row.name
-    slope, top, threshold = (kwargs.get(k) for k in ("negative_slope", "max_value", "threshold"))
+    given = dict(zip(_RELU_ARGS, args), **kwargs)
+    slope, top, threshold = (given.get(k) for k in _RELU_ARGS)
     if not slope and not threshold and top is not None:
         return "relu6" if top == 6 else "relu(max_value)"
     return "relu" if not (slope or threshold) else "relu(negative_slope, threshold)"
@@ -525,8 +534,8 @@ def _activation_wrapper(row, original):
         if not _stock_call.active() and _active():
             source = _source(x)
             if source is not None:
-                seg = Segment(_relu_name(row, args, kwargs), source, stock, _hold_g(row))
-                seg.default_relu = _default_relu(row, args, kwargs)
+                name = _relu_name(row, args, kwargs)
+                seg = Segment(name, source, stock, _hold_g(row.name, row.hold))
                 out = _make_g(seg, x)
                 if row.attr == "sigmoid":  # Keras' sigmoid marks its output with its logits
                     out._keras_logits = x
@@ -558,10 +567,8 @@ def _gate_wrapper(original):
                     def op(u, g, first=first):
                         with _stock_call:
                             return original(u, g) if first else original(g, u)
-                    source = Source(prev.roots, prev.value, prev.skipped + (x,),
-                                    prev.source.shortcut)
-                    return _make_g(Segment("gate", source, op, _hold_g(segment_table.Activation(
-                        "gate", None, None, False, False)), [gate]), x)
+                    return _make_g(Segment("gate", prev.as_source(), op,
+                                           _hold_g("gate", False), [gate]), x)
         return original(x1, x2)
     multiply._tf_relupool_wraps = original
     return multiply
@@ -577,8 +584,7 @@ def _pad_wrapper(original):
             def op(u):
                 with _stock_call:
                     return original(u, pad_width, mode, constant_values)
-            source = Source(prev.roots, prev.value, prev.skipped + (x,), prev.source.shortcut)
-            return _make_g(Segment("zero_pad", source, op, False), x)
+            return _make_g(Segment("zero_pad", prev.as_source(), op, False), x)
         return original(x, pad_width, mode, constant_values)
     pad._tf_relupool_wraps = original
     return pad
