@@ -296,6 +296,21 @@ def xla_hlo(fn, *args):
     return hlo
 
 
+def _strip_braced(line, key):
+    """`line` without `key` and the balanced {...} after it: on a GPU, backend_config carries the
+    cuDNN algorithm and the scheduling hints each compilation's autotuning picks, which two
+    compilations of the same HLO need not share."""
+    at = line.find(key + "{")
+    if at < 0:
+        return line
+    depth, end = 0, at + len(key)
+    for end in range(at + len(key), len(line)):
+        depth += {"{": 1, "}": -1}.get(line[end], 0)
+        if depth == 0:
+            break
+    return line[:at] + line[end + 1:]
+
+
 def optimized_hlo_shape(fn, *args):
     """The HLO XLA runs for `fn(*args)` under tf.function(jit_compile=True), after its
     optimizations, with names and metadata removed and the lines sorted: two functions with the
@@ -310,6 +325,7 @@ def optimized_hlo_shape(fn, *args):
         if line.startswith("HloModule"):
             continue
         line = re.sub(r", metadata=\{[^}]*\}", "", line)
+        line = _strip_braced(line, ", backend_config=")
         line = re.sub(r"%[\w.\-]+", "%v", line)
         line = re.sub(r"\b[A-Za-z_][\w\-]*(\.\d+)+\b", "v", line)  # x.409 (older XLA's params)
         lines.append(re.sub(r"\b(fused_computation|wrapped_\w+|region)[\w.]*", "f", line).strip())
