@@ -27,6 +27,10 @@ BUILDERS = """
 def build(op, h, w):
     if op == "Relu":
         return tf.nn.relu(h)
+    if op == "Relu6":
+        return tf.nn.relu6(h)
+    if op == "LeakyRelu":
+        return tf.nn.leaky_relu(h, alpha=0.2)
     if op == "Pad":
         return tf.pad(h, [[0, 0], [1, 1], [1, 1], [0, 0]])
     if op == "PadV2":
@@ -64,9 +68,10 @@ def test_table_from_the_library_is_well_formed():
     assert len(names) == len(set(names))
     for p in table:
         assert p.fusers and set(p.chain) <= set(roles), p
-    # the trace-time fuser's patterns start at Keras' max_pool and end at a ReLU (keras_fusion)
+    # the trace-time fuser's patterns start at Keras' max_pool and end at a ReLU or a
+    # non-decreasing activation (keras_fusion)
     for p in patterns.for_fuser("trace"):
-        assert p.chain[0] == "pool" and p.chain[-1] == "relu", p
+        assert p.chain[0] == "pool" and p.chain[-1] in ("relu", "monotone"), p
 
 
 def test_table_parser_rejects_malformed_lines():

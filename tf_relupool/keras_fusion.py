@@ -57,7 +57,7 @@ _tf_originals = {}  # (id(module), name) -> (module, TensorFlow's own function) 
 _TF_NAMES = ("max_pool2d", "max_pool")
 _local = threading.local()  # .probe: the names reached
 _probed = set()  # the (Keras nn, tf.nn) pairs whose probe found every path reaching a wrapper
-_stats = {"fused": 0, "fused_through_pad": 0}
+_stats = {"fused": 0, "fused_through_pad": 0, "fused_monotone": 0}
 _fallen_back = {"unknown_size": 0, "large_window": 0}  # xla.UNKNOWN_SIZE, xla.LARGE_WINDOW
 _DTYPES = ("float16", "bfloat16", "float32", "float64")
 _warned = set()  # the roles without a rule here, warned once
@@ -92,7 +92,8 @@ def recording():
 
 def stats():
     """Counts since import of the trace-time fusion's decisions: {"fused": n,
-    "fused_through_pad": m (of n), "fallen_back": {reason: k}}, where a reason (xla.UNKNOWN_SIZE,
+    "fused_through_pad": m (of n), "fused_monotone": k (of n: a non-decreasing activation other
+    than ReLU), "fallen_back": {reason: k}}, where a reason (xla.UNKNOWN_SIZE,
     xla.LARGE_WINDOW) made a ReLU + max pool run stock's ops inside XLA (with a warning)."""
     return dict(_stats, fallen_back=dict(_fallen_back))
 
@@ -175,11 +176,12 @@ def _const(tensor):
 
 
 def _fusable_input(inputs):
-    """(z, pad, skipped) where `inputs`, a max pool's input, completes a trace-time pattern of
-    the table (tf_relupool.patterns, the one the Grappler pass reads): Relu(z) -> (z, None,
-    (relu,)); Pad(Relu(z)) padding with a value c that ReLU keeps bit for bit (c >= +0, not NaN)
-    -> (z, (paddings, c), (pad, relu)): `skipped` are the tensors between z and the pool; else
-    None."""
+    """(z, pad, skipped, activation) where `inputs`, a max pool's input, completes a trace-time
+    pattern of the table (tf_relupool.patterns, the one the Grappler pass reads): Relu(z) -> (z,
+    None, (relu,), None); Pad(Relu(z)) padding with a value c that ReLU keeps bit for bit (c >=
+    +0, not NaN) -> (z, (paddings, c), (pad, relu), None); f(z) for a non-decreasing f of
+    xla.MONOTONE -> (z, None, (f,), (its row, its op)): `skipped` are the tensors between z and
+    the pool; else None."""
     trace_patterns = patterns.trace_patterns()  # in Python: no op library needed
     for p in trace_patterns:
         if p.chain[0] == "pool":
@@ -190,21 +192,32 @@ def _fusable_input(inputs):
 
 
 def _match(tensor, roles):
-    """(z, pad, skipped) when `tensor` is made by ops playing `roles` in turn, the last one a
-    ReLU."""
+    """(z, pad, skipped, activation) when `tensor` is made by ops playing `roles` in turn, the
+    last one a ReLU or a non-decreasing activation."""
+    from tf_relupool import xla
     pad = None
     skipped = []
     for i, role in enumerate(roles):
         if role == "relu" and i == len(roles) - 1:
             u = segments.relu_input(tensor)  # an activation segment's output (segments.py)
             if u is not None:
-                return u, pad, tuple(skipped + [tensor])
+                return u, pad, tuple(skipped + [tensor]), None
+        if role == "monotone" and i == len(roles) - 1:
+            inner = segments.activation_output(tensor)  # likewise
+            row = None if inner is None else xla.monotone(inner.op)
+            if row is not None:
+                return inner.op.inputs[0], pad, tuple(skipped + [tensor]), (row, inner.op)
         op = getattr(tensor, "op", None)
         if op is None or op.type not in patterns.trace_role_ops(role):
             return None
         skipped.append(tensor)
         if role == "relu":
-            return (op.inputs[0], pad, tuple(skipped)) if i == len(roles) - 1 else None
+            return (op.inputs[0], pad, tuple(skipped), None) if i == len(roles) - 1 else None
+        if role == "monotone":
+            row = xla.monotone(op)
+            if i != len(roles) - 1 or row is None:
+                return None
+            return op.inputs[0], pad, tuple(skipped), (row, op)
         if role != "pad":
             if role not in _warned:
                 _warned.add(role)
@@ -246,28 +259,48 @@ def _active():
 def _fuse(inputs, ksize, strides, padding, fmt, stock_pool, path):
     """The fused XLA form in place of `stock_pool(inputs)` (ksize/strides: 4-entry attributes in
     `fmt`, padding "VALID"/"SAME"), stock's pool where a fallback reason applies, or None where
-    `inputs` completes no trace-time pattern. `path` names the wrapper (for the probe)."""
+    `inputs` completes no trace-time pattern. `path` names the wrapper (for the probe). A 3-D
+    input is a 1-D pool (MaxPooling1D: `fmt` "NHWC" for NWC, "NCHW" for NCW, the window's rows
+    1), which stock runs as a 2-D pool over a height of 1: so does the fused form."""
     import tensorflow as tf
     from tf_relupool import xla
-    if not (isinstance(inputs, tf.Tensor) and inputs.shape.rank == 4
-            and padding in ("VALID", "SAME") and inputs.dtype.name in _DTYPES):
+    rank = inputs.shape.rank if isinstance(inputs, tf.Tensor) else None
+    if not (rank in (3, 4) and padding in ("VALID", "SAME") and inputs.dtype.name in _DTYPES):
         if getattr(_local, "probe", None) is None:
             _record(fused=False, path=path, input_op=getattr(getattr(inputs, "op", None), "name",
                                                               None),
-                    reason="not a 4-D floating-point input with VALID or SAME padding")
+                    reason="not a 3-D or 4-D floating-point input (a 1-D or 2-D pool) with "
+                           "VALID or SAME padding")
         return None
-    found = _fusable_input(inputs)
+    if rank == 3:  # a 1-D pool: the 2-D form over a height of 1, its output squeezed
+        axis = 1 if fmt == "NHWC" else 2
+
+        def stock_pool_2d(t):
+            return tf.expand_dims(stock_pool(tf.squeeze(t, [axis])), axis)
+        out = _fuse_2d(inputs, ksize, strides, padding, fmt, stock_pool_2d, path,
+                       lambda t: tf.expand_dims(t, axis))
+        return None if out is None else tf.squeeze(out, [axis])
+    return _fuse_2d(inputs, ksize, strides, padding, fmt, stock_pool, path, lambda t: t)
+
+
+def _fuse_2d(traced_input, ksize, strides, padding, fmt, stock_pool, path, to_2d):
+    """_fuse once the pool's input as traced (`traced_input`) and its pattern's z are made 4-D
+    by `to_2d`, which `stock_pool` takes."""
+    import tensorflow as tf
+    from tf_relupool import xla
+    found = _fusable_input(traced_input)
     if found is None:
         if getattr(_local, "probe", None) is None:
-            _record(fused=False, path=path, input_op=inputs.op.name,
-                    reason=f"the pool's input comes from {inputs.op.type}, not a ReLU (or a "
-                           "zero Pad of one)")
+            _record(fused=False, path=path, input_op=traced_input.op.name,
+                    reason=_why_not(traced_input))
         return None
+    inputs = to_2d(traced_input)
     probe = getattr(_local, "probe", None)
     if probe is not None:  # _check_dispatch: reached; nothing built, nothing counted
         probe.add(path)
         return stock_pool(inputs)
-    z, pad, skipped = found
+    z, pad, skipped, activation = found
+    z = to_2d(z)
     try:
         reason = xla.unsupported_reason(inputs.shape, ksize, strides, padding, [], fmt)
     except ValueError:  # no window fits the input: stock's own function reports it
@@ -281,15 +314,31 @@ def _fuse(inputs, ksize, strides, padding, fmt, stock_pool, path):
         z = tf.pad(z, pad[0], constant_values=tf.constant(pad[1], z.dtype))
     _stats["fused"] += 1
     _stats["fused_through_pad"] += pad is not None
+    _stats["fused_monotone"] += activation is not None
     if _recorder.active():
         known = inputs.shape.is_fully_defined()
         _record(fused=True, path=path, input_op=inputs.op.name, through_pad=pad is not None,
+                activation="Relu" if activation is None else activation[1].type,
                 pool_input_bytes=(inputs.shape.num_elements() * inputs.dtype.size
                                   if known else None),
                 code_bytes=(_pooled_elements(inputs.shape, ksize, strides, padding, fmt)
                             if known else None))
     return xla.relu_max_pool2d(z, ksize, strides, padding, [], fmt,
-                               traced=xla.TracedPool(inputs, skipped, stock_pool))
+                               traced=xla.TracedPool(inputs, skipped, stock_pool),
+                               activation=activation)
+
+
+def _why_not(traced_input):
+    """Why the pool whose input is `traced_input` completes no trace-time pattern."""
+    from tf_relupool import xla
+    inner = segments.activation_output(traced_input)
+    op = (inner if inner is not None else traced_input).op
+    row = xla.MONOTONE.get(op.type)
+    if row is not None and row.not_fused:
+        return f"{op.type} before the pool: {row.not_fused}"
+    return (f"the pool's input comes from {op.type}, not a ReLU (or a zero Pad of one) nor a "
+            "non-decreasing activation whose gradient is a select (" +
+            ", ".join(sorted(patterns.trace_role_ops("monotone"))) + ")")
 
 
 def _pooled_elements(shape, ksize, strides, padding, fmt):
@@ -328,9 +377,10 @@ def _max_pool(inputs, pool_size, strides=None, padding="valid", data_format=None
         import keras
         fmt = ("NHWC" if keras.src.backend.standardize_data_format(data_format) ==
                "channels_last" else "NCHW")
+        rank = getattr(getattr(inputs, "shape", None), "rank", None)
         try:
-            ksize = _attr(pool_size, fmt)
-            stride_attr = _attr(pool_size if strides is None else strides, fmt)
+            ksize = _attr(pool_size, fmt, rank)
+            stride_attr = _attr(pool_size if strides is None else strides, fmt, rank)
         except (TypeError, ValueError):  # not ints: Keras' own function says what is wrong
             return stock_pool(inputs)
         out = _fuse(inputs, ksize, stride_attr, padding.upper(), fmt, stock_pool, "keras")
@@ -417,8 +467,12 @@ def _check_dispatch(nn):
         _probed.add(key)
 
 
-def _attr(v, fmt):
-    """A Keras pool_size/strides as the op's 4-entry attribute in `fmt`."""
+def _attr(v, fmt, rank=4):
+    """A Keras pool_size/strides as the op's 4-entry attribute in `fmt`; for a 3-D input (a 1-D
+    pool) the window over a height of 1."""
+    if rank == 3:
+        (k,) = (int(v),) if np.ndim(v) == 0 else tuple(int(x) for x in v)
+        return _geometry.window_attr(1, k, fmt)
     return _geometry.window_attr(*_pair(v), fmt)
 
 

@@ -70,12 +70,17 @@ TRACE_ROLES = {
     "pad": Role("pad", frozenset({"Pad", "PadV2"}),
                 "constant paddings, a pad value c with relu(c) == c"),
     "relu": Role("relu", frozenset({"Relu"}), ""),
+    "monotone": Role("monotone", frozenset({"Relu6", "LeakyRelu"}),
+                     "non-decreasing, its gradient a select on its output (LeakyRelu: alpha >= 0)"),
 }
 TRACE_PATTERNS = (
     Pattern("relu_max_pool", ("pool", "relu"), frozenset(FUSERS), True, ""),
     Pattern("relu_pad_max_pool", ("pool", "pad", "relu"), frozenset(FUSERS), True,
             "ZeroPadding2D between: relu(pad(z)) == pad(relu(z)); the gradient through the Pad's "
             "Slice"),
+    Pattern("monotone_max_pool", ("pool", "monotone"), frozenset({"trace"}), True,
+            "max_pool(f(z)) for a non-decreasing f: the first maximum of f(z), f's stock gradient "
+            "read from the pooled output"),
 )
 
 

@@ -367,6 +367,7 @@ class Segment:
         self.skipped = source.skipped
         self.u = None               # the traced input
         self.output = None          # G's output, what every consumer reads
+        self.inner = None           # stock's op output inside G (activation_output)
         self.ops = set()            # the names of G's forward ops
         self.where = ""             # the Keras layers being called when it was traced
         self.route = None           # "recomputed" or stock's reason, once its gradient is traced
@@ -431,6 +432,17 @@ def relu_input(t):
     return seg.u if seg is not None and seg.default_relu else None
 
 
+def activation_output(t):
+    """Stock's activation output inside G where `t` is the output of a segment of one activation
+    op applied to the segment's input (no gate, no pad), else None: the pool fusion reads that
+    op, as it would outside a segment (keras_fusion)."""
+    seg = _segment_of(t)
+    inner = getattr(seg, "inner", None)
+    if inner is None or not inner.op.inputs or inner.op.inputs[0].name != seg.u.name:
+        return None
+    return inner
+
+
 _recorder = _reentry.Recorder()
 
 
@@ -457,6 +469,7 @@ def _make_g(seg, u):
         with tf.GradientTape(persistent=True) as forward:
             forward.watch([u_in] + extra)
             out = seg.op(u_in, *extra)
+        seg.inner = out if isinstance(out, tf.Tensor) else None
 
         def grad(da):
             with _Ours(da.graph):

@@ -29,13 +29,14 @@ Windows of more than `MAX_WINDOW_POSITIONS` positions (clipped to the input), an
 spatial dimensions are unknown at trace time, run the stock ops inside XLA (exact), with one
 WARNING per reason and Keras model (or traced function) on the `tf_relupool` logger.
 """
+import collections
 import logging
 import threading
 import weakref
 
 import numpy as np
 import tensorflow as tf
-from tensorflow.python.ops import nn_ops
+from tensorflow.python.ops import gen_math_ops, gen_nn_ops, nn_ops
 
 from tf_relupool import _geometry, gradient_sources
 
@@ -50,6 +51,45 @@ MAX_WINDOW_POSITIONS = 254
 #: The code of a pooled element that routes no gradient (its selected ReLU'd value is not > 0).
 NO_GRADIENT = 255
 _NEVER = 254  # a code no window produces (codes < MAX_WINDOW_POSITIONS)
+
+
+Monotone = collections.namedtuple("Monotone", "op grad condition not_fused")
+
+_NOT_BITWISE = ("not fused: its gradient multiplies dz by a function of its output, and where "
+                "BatchNormalization's gradient sums that dz, XLA's fusion picks the order of the "
+                "sums: a Conv2D -> BatchNormalization -> {} -> MaxPooling2D step differed from "
+                "stock's in the last bits on the CPU (2026-12-05)")
+
+#: The non-decreasing activations f the XLA form could fuse with a max pool besides ReLU:
+#: max_pool(f(z)) selects where f(z) is the window's first maximum, and dz is f's stock gradient
+#: at the selected positions. `grad(g, y, op)` is TensorFlow's registered gradient of `op`
+#: written from its output y (for LeakyRelu, whose registered gradient reads its input x, y > 0
+#: exactly where x > 0 when alpha >= 0), so that the backward reads the one-byte codes and the
+#: pooled output (which the next layer keeps anyway). `condition(op)`: whether this op is
+#: non-decreasing. Rows with `not_fused` (why) run stock's ops: those are the pattern table's
+#: "monotone" role's ops less these (tf_relupool/patterns.py).
+MONOTONE = {
+    "Relu6": Monotone("Relu6", lambda g, y, op: gen_nn_ops.relu6_grad(g, y), None, None),
+    "LeakyRelu": Monotone("LeakyRelu", lambda g, y, op: gen_nn_ops.leaky_relu_grad(
+        g, y, alpha=op.get_attr("alpha")), lambda op: op.get_attr("alpha") >= 0, None),
+    "Elu": Monotone("Elu", lambda g, y, op: gen_nn_ops.elu_grad(g, y), None,
+                    _NOT_BITWISE.format("ELU")),
+    "Selu": Monotone("Selu", lambda g, y, op: gen_nn_ops.selu_grad(g, y), None,
+                     _NOT_BITWISE.format("SELU")),
+    "Sigmoid": Monotone("Sigmoid", lambda g, y, op: gen_math_ops.sigmoid_grad(y, g), None,
+                        _NOT_BITWISE.format("sigmoid")),
+    "Tanh": Monotone("Tanh", lambda g, y, op: gen_math_ops.tanh_grad(y, g), None,
+                     _NOT_BITWISE.format("tanh")),
+}
+
+
+def monotone(op):
+    """The MONOTONE row of `op`, a traced activation op, where it is fused (no `not_fused`, its
+    condition holds), else None."""
+    row = MONOTONE.get(getattr(op, "type", None))
+    if row is None or row.not_fused or (row.condition is not None and not row.condition(op)):
+        return None
+    return row
 
 
 def in_xla_context():
@@ -177,21 +217,36 @@ def _strided(x, axes, starts, stops, steps):
     return x[tuple(index)]
 
 
-def _forward(z, pool_args, dims, data_format):
-    """(y, codes): the pooled max of relu(z) and XLA's selection as a uint8 code per output.
+def _in_bounds(dims, i, j, data_format):
+    """For window offset (i, j): a constant bool tensor over the pooled positions, broadcast in
+    `data_format`, of the windows where that offset lies inside the input (not in SAME/EXPLICIT
+    padding), or None where it does in every window."""
+    masks = []
+    for (size, _, s, before, _, out), off in zip(dims, (i, j)):
+        pos = np.arange(out) * s + off - before
+        masks.append((pos >= 0) & (pos < size))
+    if masks[0].all() and masks[1].all():
+        return None
+    m = masks[0][:, None] & masks[1][None, :]
+    oh, ow = m.shape
+    return tf.constant(m.reshape((1, oh, ow, 1) if data_format == "NHWC" else (1, 1, oh, ow)))
 
-    y is stock's own `MaxPool(Relu(z))` (the same HLO, so the same max semantics on every XLA
-    backend: XLA's CPU ReduceWindow skips NaNs); the codes come from a scan over the same relu(z)
-    with SelectAndScatter's comparison. XLA fuses both into loops over z: relu(z) is not kept."""
+
+def _forward(r, pool_args, dims, data_format, relu):
+    """(y, codes): the pooled max of r and XLA's selection as a uint8 code per output.
+
+    r is relu(z) (`relu`), or f(z) for a MONOTONE f. y is stock's own `MaxPool(r)` (the same
+    HLO, so the same max semantics on every XLA backend: XLA's CPU ReduceWindow skips NaNs); the
+    codes come from a scan over the same r with SelectAndScatter's comparison, and for a ReLU
+    are NO_GRADIENT where the selected value is not > 0. XLA fuses both into loops over z: r is
+    not kept."""
     axes = _geometry.spatial_axes(data_format)
     (_, kh, sh, th, bh, oh), (_, kw, sw, tw, bw, ow) = dims
-    r = tf.nn.relu(z)
     y = _stock_max_pool2d(r, *pool_args)
-    neg_inf = tf.constant(-np.inf, dtype=z.dtype)
     if th or bh or tw or bw:
         paddings = [[0, 0]] * 4
         paddings[axes[0]], paddings[axes[1]] = [th, bh], [tw, bw]
-        r = tf.pad(r, paddings, constant_values=neg_inf)  # never selected (masked below)
+        r = tf.pad(r, paddings)  # padded positions are never selected (_in_bounds)
     # Only the offsets that can hold an input element (window_range); the others are padding in
     # every window, never selected. Codes number the scanned positions in row-major order.
     (first_h, last_h), (first_w, last_w) = (window_range(d) for d in dims)
@@ -201,20 +256,26 @@ def _forward(z, pool_args, dims, data_format):
         for j in range(first_w, last_w + 1):
             cur = _strided(r, axes, (i, j), (i + (oh - 1) * sh + 1, j + (ow - 1) * sw + 1),
                            (sh, sw))
+            in_bounds = _in_bounds(dims, i, j, data_format)
             t = tf.constant((i - first_h) * nw + j - first_w, tf.uint8)
             if sel is None:
-                # The first position: selected unless it is padding (-inf; ReLU'd values are not).
+                # The first position: selected unless it is padding.
                 sel, code = cur, tf.zeros_like(cur, dtype=tf.uint8)
-                first_pad = tf.equal(cur, neg_inf)
+                first_pad = None if in_bounds is None else tf.logical_not(in_bounds)
                 continue
             # SelectAndScatter(select=Ge): a later in-bounds position takes over when
             # !(selected >= current); while nothing in-bounds is selected yet, any in-bounds one.
-            in_bounds = tf.not_equal(cur, neg_inf)
-            take = in_bounds & (first_pad | tf.logical_not(sel >= cur))
+            take = tf.logical_not(sel >= cur)
+            if first_pad is not None:
+                take = take | first_pad
+            if in_bounds is not None:
+                take = take & in_bounds
             sel = tf.where(take, cur, sel)
             code = tf.where(take, t, code)
-            first_pad = first_pad & tf.logical_not(in_bounds)
-    code = tf.where(sel > tf.zeros([], z.dtype), code, tf.constant(NO_GRADIENT, tf.uint8))
+            if first_pad is not None:  # an in-bounds position seen: no longer before the first
+                first_pad = None if in_bounds is None else first_pad & tf.logical_not(in_bounds)
+    if relu:
+        code = tf.where(sel > tf.zeros([], r.dtype), code, tf.constant(NO_GRADIENT, tf.uint8))
     return y, code
 
 
@@ -228,8 +289,10 @@ def _block_index(size, before, k, s, out, q):
     return np.clip(window, 0, out - 1).astype(np.int32), offset, valid
 
 
-def _backward(dy, code, dims, data_format):
+def _backward(dy, code, dims, data_format, pooled=None):
     """dz from dy and the codes: each dy goes to its window's coded position, in stock's order.
+    With `pooled` (the pool's output), (dz, values): values holds at each input position that a
+    window selected that window's pooled value, the value of f(z) there, and 0 elsewhere.
 
     Every term is built at z's own shape (a gather of dy and the codes up to the input
     positions, compared with a constant of offsets), so that what XLA fuses into dz's consumers
@@ -242,7 +305,7 @@ def _backward(dy, code, dims, data_format):
     nw = last_w - first_w + 1
     zero = tf.zeros([], dy.dtype)
     const_shape = (1, h, w, 1) if data_format == "NHWC" else (1, 1, h, w)
-    dz = None
+    dz = values = None
     # Block (qh, qw) holds the offsets qh*sh <= i < (qh+1)*sh, qw*sw <= j < (qw+1)*sw: in it each
     # input element belongs to one window at most. An element's windows in output order are its
     # blocks in decreasing order, so the sum runs from the last block to the first (as XLA's
@@ -261,13 +324,18 @@ def _backward(dy, code, dims, data_format):
                                _NEVER).astype(np.uint8)
             dy_up = tf.gather(tf.gather(dy, r_win, axis=rows), c_win, axis=cols)
             code_up = tf.gather(tf.gather(code, r_win, axis=rows), c_win, axis=cols)
-            term = tf.where(tf.equal(code_up, tf.constant(targets.reshape(const_shape))),
-                            dy_up, zero)
+            match = tf.equal(code_up, tf.constant(targets.reshape(const_shape)))
+            term = tf.where(match, dy_up, zero)
             dz = term if dz is None else dz + term
+            if pooled is not None:
+                y_up = tf.gather(tf.gather(pooled, r_win, axis=rows), c_win, axis=cols)
+                values = tf.where(match, y_up, zero if values is None else values)
     if dz is None:  # no input position is in any window (stride > window everywhere)
         dz = tf.zeros_like(tf.gather(tf.gather(dy, np.zeros(h, np.int32), axis=rows),
                                      np.zeros(w, np.int32), axis=cols))
-    return _positive_zeros(dz)
+        values = dz
+    dz = _positive_zeros(dz)
+    return dz if pooled is None else (dz, values)
 
 
 @tf.custom_gradient
@@ -278,12 +346,15 @@ def _positive_zeros(x):
     return tf.where(tf.equal(x, zero), zero, x), lambda g: g
 
 
-def relu_max_pool2d(z, ksize, strides, padding, explicit_paddings, data_format, traced=None):
+def relu_max_pool2d(z, ksize, strides, padding, explicit_paddings, data_format, traced=None,
+                    activation=None):
     """max_pool2d(relu(z)) for XLA, its gradient from one-byte codes (module docstring).
 
     Arguments in the op's normalized form (4-entry `ksize`/`strides` in `data_format`, padding
     "VALID"/"SAME"/"EXPLICIT" with 8 `explicit_paddings`). `traced`: the `TracedPool` this
-    replaces, when the switch's trace-time fusion calls it. Where the XLA form does not apply
+    replaces, when the switch's trace-time fusion calls it. `activation` (with `traced`): (the
+    MONOTONE row, the traced op) of a non-decreasing activation in place of the ReLU, z its
+    input and the traced pool's input its output. Where the XLA form does not apply
     (`unsupported_reason`), returns the stock ops' result, which XLA compiles as it does stock's.
     """
     reason = unsupported_reason(z.shape, ksize, strides, padding, explicit_paddings, data_format)
@@ -299,7 +370,7 @@ def relu_max_pool2d(z, ksize, strides, padding, explicit_paddings, data_format, 
     if traced is None:
         @tf.custom_gradient
         def fused(z):
-            y, code = _forward(z, pool_args, dims, data_format)
+            y, code = _forward(tf.nn.relu(z), pool_args, dims, data_format, relu=True)
 
             def grad(dy):
                 return _backward(dy, code, dims, data_format)
@@ -312,12 +383,20 @@ def relu_max_pool2d(z, ksize, strides, padding, explicit_paddings, data_format, 
     # when one of the tensors the fusion skips is a source of the gradient (gradient_sources).
     @tf.custom_gradient
     def fused_in_place(z, pool_input):
-        y, code = _forward(z, pool_args, dims, data_format)
+        relu = activation is None
+        y, code = _forward(tf.nn.relu(z) if relu else pool_input, pool_args, dims, data_format,
+                           relu=relu)
 
         def grad(dy):
-            if gradient_sources.route(traced.skipped) == gradient_sources.FUSED:
+            if gradient_sources.route(traced.skipped) != gradient_sources.FUSED:
+                return None, traced.stock_gradient(pool_input, dy)
+            if relu:
                 return _backward(dy, code, dims, data_format), None
-            return None, traced.stock_gradient(pool_input, dy)
+            # the pool's gradient, then f's stock gradient at every input position (as stock
+            # computes them), reading f(z) from the pooled output where a window selected it
+            g, values = _backward(dy, code, dims, data_format, pooled=y)
+            row, op = activation
+            return row.grad(g, values, op), None
         return y, grad
 
     return fused_in_place(z, traced.pool_input)

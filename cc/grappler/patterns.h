@@ -30,6 +30,8 @@ inline constexpr Role kRoles[] = {
     {"relu_grad", {"ReluGrad", nullptr}, "the gradient of the relu"},
     {"fused_conv_relu", {"_FusedConv2D", nullptr}, "fused_ops ending in Relu (TF's remapper)"},
     {"pad", {"Pad", "PadV2", nullptr}, "constant paddings, a pad value c with relu(c) == c"},
+    {"monotone", {"Relu6", "LeakyRelu", nullptr},
+     "non-decreasing, its gradient a select on its output (LeakyRelu: alpha >= 0)"},
     {"shape_only", {"Shape", "ShapeN", "Rank", "Size", nullptr},
      "reads only the relu's shape (rewired to z)"},
 };
@@ -50,6 +52,9 @@ inline constexpr Pattern kPatterns[] = {
      "ZeroPadding2D between: relu(pad(z)) == pad(relu(z)); the gradient through the Pad's Slice"},
     {"fused_conv_relu_max_pool", "pool(fused_conv_relu(z))", kGrappler, true,
      "Keras Conv2D(activation=\"relu\") after TF's remapper; the convolution stays"},
+    {"monotone_max_pool", "pool(monotone(z))", kTraceTime, true,
+     "max_pool(f(z)) for a non-decreasing f: the first maximum of f(z), f's stock gradient read "
+     "from the pooled output"},
     {"max_pool_relu", "relu(pool(z))", kGrappler, false,
      "the order TF's arithmetic optimizer makes of a forward-only pair"},
 };
