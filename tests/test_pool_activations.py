@@ -254,3 +254,17 @@ def test_after_batch_norm(activation, activations):
     assert_bitwise_equal(got[0], ref[0], "loss")
     for v, a, b in zip(model.trainable_variables, got[1], ref[1]):
         assert_bitwise_equal(a, b, v.path)
+
+
+def test_fusion_report_names_the_activation():
+    keras.utils.set_random_seed(0)
+    inp = keras.Input((8, 8, 2))
+    x = keras.layers.Conv2D(3, 3, padding="same", name="c")(inp)
+    x = keras.layers.MaxPooling2D(2, name="pool")(keras.layers.LeakyReLU(0.1)(x))
+    model = keras.Model(inp, keras.layers.Dense(2)(keras.layers.Flatten()(x)))
+    report = tf_relupool.fusion_report(model, batch_size=2, routes="xla")
+    (pair,) = report.pairs
+    assert pair["where"] == "pool" and pair["fused"] and pair["activation"] == "LeakyRelu"
+    # 2x8x8x3 floats the pool's gradient no longer keeps, against 2x4x4x3 one-byte codes
+    assert pair["bytes_saved"] == 2 * 8 * 8 * 3 * 4 - 2 * 4 * 4 * 3
+    assert "| pool | yes (LeakyRelu) |" in str(report)

@@ -50,8 +50,10 @@ class FusionReport:
                  "| route | where | fused | why not | saved per step |", "|---|---|---|---|---|"]
         for p in self.pairs:
             saved = "" if p["bytes_saved"] is None else f"{p['bytes_saved'] / 2 ** 20:.2f} MiB"
-            lines.append(f"| {p['route']} | {p['where']} | {'yes' if p['fused'] else 'no'} | "
-                         f"{p['reason'] or ''} | {saved} |")
+            fused = "no" if not p["fused"] else (
+                "yes" if p.get("activation") in (None, "Relu") else f"yes ({p['activation']})")
+            lines.append(f"| {p['route']} | {p['where']} | {fused} | {p['reason'] or ''} | "
+                         f"{saved} |")
         for route in self.routes:
             lines.append(f"\n{route}: {len(self.fused(route))} of "
                          f"{sum(p['route'] == route for p in self.pairs)} ReLU + max-pool "
@@ -122,6 +124,7 @@ def _xla_pairs(model, spec, keep, activations=False):
                  if e.get("pool_input_bytes") is not None else None)
         pairs.append({"route": "xla", "where": e["scope"] or e.get("input_op") or "?",
                       "fused": e["fused"], "reason": e.get("reason"),
+                      "activation": e.get("activation"),
                       "bytes_saved": saved if e["fused"] else None})
     return pairs, segment_rows
 
