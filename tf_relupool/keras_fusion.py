@@ -260,8 +260,8 @@ def _fuse(inputs, ksize, strides, padding, fmt, stock_pool, path):
     """The fused XLA form in place of `stock_pool(inputs)` (ksize/strides: 4-entry attributes in
     `fmt`, padding "VALID"/"SAME"), stock's pool where a fallback reason applies, or None where
     `inputs` completes no trace-time pattern. `path` names the wrapper (for the probe). A 3-D
-    input is a 1-D pool (MaxPooling1D: `fmt` "NHWC" for NWC, "NCHW" for NCW, the window's rows
-    1), which stock runs as a 2-D pool over a height of 1: so does the fused form."""
+    input is a 1-D pool (MaxPooling1D: `fmt` "NHWC" for NWC, the window's rows 1), which stock
+    runs as a 2-D pool over a height of 1: so does the fused form (channels_last only)."""
     import tensorflow as tf
     from tf_relupool import xla
     rank = inputs.shape.rank if isinstance(inputs, tf.Tensor) else None
@@ -272,8 +272,15 @@ def _fuse(inputs, ksize, strides, padding, fmt, stock_pool, path):
                     reason="not a 3-D or 4-D floating-point input (a 1-D or 2-D pool) with "
                            "VALID or SAME padding")
         return None
+    if rank == 3 and fmt != "NHWC":
+        if getattr(_local, "probe", None) is None:
+            _record(fused=False, path=path, input_op=inputs.op.name,
+                    reason="a channels_first 1-D pool: fused, the gradient into the convolution "
+                           "before it differed from stock's in the last bits on an H100 "
+                           "(2026-12-05)")
+        return None
     if rank == 3:  # a 1-D pool: the 2-D form over a height of 1, its output squeezed
-        axis = 1 if fmt == "NHWC" else 2
+        axis = 1
 
         def stock_pool_2d(t):
             return tf.expand_dims(stock_pool(tf.squeeze(t, [axis])), axis)
