@@ -799,7 +799,7 @@ def test_enable_warns_where_the_dispatch_does_not_reach_a_wrapper(broken, monkey
 def test_enable_probe_passes_silently_when_the_dispatch_reaches_the_wrappers(policy, monkeypatch,
                                                                             caplog):
     """(Under a mixed-precision policy too, where Keras would cast a layer's input first.)"""
-    monkeypatch.setattr(keras_fusion, "_probed", set())
+    monkeypatch.setattr(keras_fusion._hooks, "_probed", set())
     before = keras_fusion.stats()
     previous = keras.config.dtype_policy()
     keras.config.set_dtype_policy(policy)
@@ -809,7 +809,7 @@ def test_enable_probe_passes_silently_when_the_dispatch_reaches_the_wrappers(pol
     finally:
         keras.config.set_dtype_policy(previous)
     assert not [r for r in caplog.records if "did not reach" in r.getMessage()]
-    assert keras_fusion._probed  # noqa: SLF001 - the probe ran and passed
+    assert keras_fusion._hooks._probed  # noqa: SLF001 - the probe ran and passed
     assert keras_fusion.stats() == before  # the probe counts nothing
 
 
@@ -819,7 +819,7 @@ sys.path.insert(0, sys.argv[1])
 import tensorflow as tf, tf_relupool
 from tf_relupool import keras_fusion
 tf.config.threading.set_inter_op_parallelism_threads(1)  # the import left the context alone
-before = bool(keras_fusion._probed)
+before = bool(keras_fusion._hooks._probed)
 x = tf.ones([2])
 with tf.GradientTape() as tape:
     tape.watch(x)
@@ -827,7 +827,7 @@ with tf.GradientTape() as tape:
 tape.gradient(y, x)
 print("RESULT " + json.dumps({"installed": keras_fusion.installed() and
                               keras_fusion.tf_nn_installed(), "before": before,
-                              "after": bool(keras_fusion._probed)}))
+                              "after": bool(keras_fusion._hooks._probed)}))
 """
 
 

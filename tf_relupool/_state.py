@@ -16,7 +16,7 @@ KEEP_CHOICES = (KEEP_ARGMAX, KEEP_INPUT)
 MODE_CODES = {None: 0, KEEP_ARGMAX: 1, KEEP_INPUT: 2}
 
 _mode = None  # None (off), KEEP_ARGMAX or KEEP_INPUT; written by config under its lock
-_bn_relu = False  # enable_recompute(bn_relu=True): BN + ReLU recomputed under XLA (bn_relu.py)
+_activations = False  # enable_recompute(activations=True): recomputed under XLA (segments.py)
 
 
 def check_keep(keep, allow_none=False, allow_bool=False):
@@ -46,12 +46,12 @@ def set_mode(keep):
     _mode = keep
 
 
-def bn_relu():
-    """Whether the switch also recomputes BatchNorm + ReLU under XLA (only while it is on)."""
-    return _bn_relu
+def activations():
+    """Whether the switch also recomputes activations under XLA (only while it is on)."""
+    return _activations
 
 
-def set_bn_relu(on):
-    """Sets the BN + ReLU part of the switch (config holds the lock and tells the routes)."""
-    global _bn_relu
-    _bn_relu = bool(on)
+def set_activations(on):
+    """Sets the activation part of the switch (config holds the lock and tells the routes)."""
+    global _activations
+    _activations = bool(on)

@@ -77,8 +77,8 @@ def _context_initialized():
     if tf is None:
         return False
     try:
-        from tensorflow.python.eager import context
-        return bool(getattr(context.context(), "_initialized", False))
+        from tf_relupool import _compat
+        return bool(getattr(_compat.tf_eager_context(), "_initialized", False))
     except Exception:  # noqa: BLE001 - a private attribute: assume it is not too late
         return False
 

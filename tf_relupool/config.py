@@ -154,26 +154,28 @@ def _check_activations(activations, bn_relu=None):
     return activations or bool(bn_relu)
 
 
-def _set(keep, bn_relu=False, at_import=False):
-    """Sets the switch's value (checked) and its BN + ReLU part; returns the previous pair."""
+def _set(keep, activations=False, at_import=False):
+    """Sets the switch's value (checked) and its activation part; returns the previous pair."""
     with _lock:
-        previous = (_state.mode(), _state.bn_relu())
+        previous = (_state.mode(), _state.activations())
         _state.set_mode(keep)
-        _state.set_bn_relu(keep is not None and bn_relu)
+        _state.set_activations(keep is not None and activations)
         _notify_routes(at_import)
     return previous
 
 
 def _notify_routes(at_import=False):
-    """Passes the switch to the graph optimizer inside TensorFlow (tf_relupool/grappler.py) and
-    to the trace-time fusion under XLA (tf_relupool/keras_fusion.py; `at_import`: its dispatch
-    probe waits for the first gradient, as importing must not initialize TensorFlow's context);
-    turning it on also points XLA at the switch's persistent autotune cache (autotune_cache.py)."""
+    """Pushes the switch, once per change, to the graph optimizer inside TensorFlow
+    (tf_relupool/grappler.py), the trace-time fusion under XLA (tf_relupool/keras_fusion.py;
+    `at_import`: its dispatch probe waits for the first gradient, as importing must not
+    initialize TensorFlow's context) and the activation recomputation (segments.py): the routes
+    keep what they were given and read nothing back; turning it on also points XLA at the
+    switch's persistent autotune cache (autotune_cache.py)."""
     mode = _state.mode()
     if mode is not None:  # before the probe below may start TensorFlow's GPU
         autotune_cache.install()
     keras_fusion.set_enabled(mode is not None, probe_now=not at_import)
-    segments.set_enabled(_state.bn_relu())
+    segments.set_enabled(_state.activations())
     grappler.set_mode(mode)
 
 

@@ -18,24 +18,28 @@ records each call's sources, per thread, in a stack; the fused op's gradient fun
   method the wrapper does not see, the wrapper removed meanwhile): stock's route as for
   "source" (correctness first), counted in `stats()`.
 
-Tensors are compared by graph and name, not by Python identity. The wrapper is installed by
-keras_fusion.set_enabled (the switch) and removed when the switch turns off (unless something
-else has wrapped the method since, which then stays).
+Tensors are compared by graph and name, not by Python identity. The wrapper is installed while
+a route that asks route() requires it (`require`: keras_fusion's pool fusion, segments'
+recomputation) and removed when none does (unless something else has wrapped the method since,
+which then stays: tf_relupool/_hooks.py).
 """
 import collections
 import threading
 
+from tf_relupool._hooks import Hooks
+
 _lock = threading.Lock()
 _local = threading.local()
-_original = []  # [tf.GradientTape.gradient] while the wrapper is installed
+_hooks = Hooks()  # tf.GradientTape.gradient while a route requires it
+_users = set()  # the routes that require the wrapper now
 _stats = collections.Counter()
 
 FUSED, SOURCE, UNKNOWN = "fused", "source", "unknown"
 
 
 def _tape_class():
-    from tensorflow.python.eager import backprop
-    return backprop.GradientTape
+    import tensorflow as tf
+    return tf.GradientTape
 
 
 def _key(t):
@@ -91,19 +95,17 @@ def _wrap(original):
     return gradient
 
 
-def set_enabled(on):
-    """Installs (on) or removes (off) the wrapper around tf.GradientTape.gradient. Removing it
-    restores the method it wrapped; if something else has wrapped the method since, that stays
-    (and keeps calling the wrapper, which only records)."""
-    tape = _tape_class()
+def require(user, on):
+    """`user` (a route's name) requires the wrapper around tf.GradientTape.gradient (on) or no
+    longer does (off): it is installed while some route requires it. Removing it restores the
+    method it wrapped; if something else has wrapped the method since, that stays (and keeps
+    calling the wrapper, which only records)."""
     with _lock:
-        if on and not _original:
-            _original.append(tape.gradient)
-            tape.gradient = _wrap(tape.gradient)
-        elif not on and _original:
-            original = _original.pop()
-            if installed():
-                tape.gradient = original
+        (_users.add if on else _users.discard)(user)
+        if _users:
+            _hooks.install([(_tape_class(), "gradient", _wrap)])
+        else:
+            _hooks.remove()
 
 
 def installed():

@@ -68,11 +68,11 @@ def register(device_types=DEVICE_TYPES):
         if _failure is not None:
             raise GrapplerUnavailable(_failure)
         try:
-            from tensorflow.python.framework import load_library as tf_load_library
+            from tf_relupool import _compat
             path = _clib.library_path()
             for i, device_type in enumerate(device_types):
                 _clib.set_next_device_type(device_type)
-                tf_load_library.load_pluggable_device_library(_alias(path, i))
+                _compat.tf_load_pluggable_device_library(_alias(path, i))
         except (OSError, RuntimeError, AttributeError, _loader.OpLibraryError) as e:
             _failure = f"tf_relupool's graph optimizer could not be registered: {e}"
             raise GrapplerUnavailable(_failure) from e

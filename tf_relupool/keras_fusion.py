@@ -47,16 +47,15 @@ import threading
 
 import numpy as np
 
-from tf_relupool import _geometry, _reentry, _state, gradient_sources, patterns, segments
+from tf_relupool import _geometry, _reentry, gradient_sources, patterns, segments
+from tf_relupool._hooks import Hooks
 
 logger = logging.getLogger("tf_relupool")
 
-_lock = threading.Lock()
-_original = []  # [Keras' own max_pool] while the wrapper is installed
-_tf_originals = {}  # (id(module), name) -> (module, TensorFlow's own function) while wrapped
+_hooks = Hooks()  # Keras' max_pool and tf.nn's while the switch is on
+_enabled = False  # the switch, as config pushed it (set_enabled)
 _TF_NAMES = ("max_pool2d", "max_pool")
 _local = threading.local()  # .probe: the names reached
-_probed = set()  # the (Keras nn, tf.nn) pairs whose probe found every path reaching a wrapper
 _stats = {"fused": 0, "fused_through_pad": 0, "fused_monotone": 0}
 _fallen_back = {"unknown_size": 0, "large_window": 0}  # xla.UNKNOWN_SIZE, xla.LARGE_WINDOW
 _DTYPES = ("float16", "bfloat16", "float32", "float64")
@@ -73,11 +72,8 @@ def _record(**event):
 
 
 def _name_scope():
-    try:
-        from tensorflow.python.framework import ops as tf_ops
-        return tf_ops.get_default_graph().get_name_scope()
-    except Exception:  # noqa: BLE001 - a description only
-        return ""
+    import tensorflow as tf
+    return tf.compat.v1.get_default_graph().get_name_scope()
 
 
 _recorder = _reentry.Recorder()
@@ -100,14 +96,8 @@ def stats():
 
 def _backend_nn():
     """Keras' TensorFlow backend `nn` module, or None (another backend, or no Keras 3)."""
-    try:
-        import keras
-        if keras.backend.backend() != "tensorflow":
-            return None
-        from keras.src.backend.tensorflow import nn
-        return nn
-    except ImportError:
-        return None
+    from tf_relupool import _compat
+    return _compat.keras_tf_backend().get("nn")
 
 
 def _tf_nn_modules():
@@ -122,40 +112,23 @@ def _tf_nn_modules():
 
 
 def set_enabled(on, probe_now=True):
-    """Installs (on) or removes (off) the wrappers around Keras' TensorFlow max_pool and
-    TensorFlow's tf.nn.max_pool2d / tf.nn.max_pool, and gradient_sources' wrapper; after an
-    install, probes that the calls reach them (module doc): now, or with `probe_now` False (the
-    switch set from the environment at import, which must not initialize TensorFlow's context)
-    at the first tf.GradientTape.gradient call."""
-    gradient_sources.set_enabled(on)
+    """The switch, pushed by config: installs (on) or removes (off) the wrappers around Keras'
+    TensorFlow max_pool and TensorFlow's tf.nn.max_pool2d / tf.nn.max_pool, and the tape wrapper
+    the fused gradient asks (gradient_sources); after an install, probes that the calls reach
+    them (module doc): now, or with `probe_now` False (the switch set from the environment at
+    import, which must not initialize TensorFlow's context) at the first
+    tf.GradientTape.gradient call."""
+    global _enabled
+    gradient_sources.require("keras_fusion", on)
+    _enabled = bool(on)
+    if not on:
+        _hooks.remove()
+        return
     nn = _backend_nn()
-    installed_now = False
-    with _lock:
-        if on:
-            if nn is not None and not _original:
-                _original.append(nn.max_pool)
-                nn.max_pool = _keras_wrapper()
-                installed_now = True
-            for module in _tf_nn_modules():
-                for name in _TF_NAMES:
-                    if (id(module), name) not in _tf_originals:
-                        current = getattr(module, name, None)
-                        if current is None:
-                            continue
-                        _tf_originals[(id(module), name)] = (module, current)
-                        setattr(module, name, _tf_wrapper(name, current))
-                        installed_now = True
-        else:
-            if _original:
-                original = _original.pop()
-                if nn is not None and nn.max_pool is _keras_wrapper():
-                    nn.max_pool = original
-            for key, (module, original) in list(_tf_originals.items()):
-                name = key[1]
-                if getattr(getattr(module, name, None), "_tf_relupool_wraps", None) is original:
-                    setattr(module, name, original)
-                del _tf_originals[key]
-    if on and installed_now:
+    targets = [] if nn is None else [(nn, "max_pool", lambda original: _keras_wrapper())]
+    targets += [(module, name, lambda original, name=name: _tf_wrapper(name, original))
+                for module in _tf_nn_modules() for name in _TF_NAMES]
+    if _hooks.install(targets):
         if probe_now:
             _check_dispatch(nn)
         else:
@@ -164,7 +137,8 @@ def set_enabled(on, probe_now=True):
 
 def installed():
     """Whether Keras' max_pool is wrapped now."""
-    return bool(_original)
+    nn = _backend_nn()
+    return nn is not None and _hooks.original(nn, "max_pool") is not None
 
 
 def _const(tensor):
@@ -252,8 +226,7 @@ _bypass = _reentry.Reentry()
 
 def _active():
     from tf_relupool import xla
-    return (not _bypass.active() and _state.mode() is not None
-            and xla.in_xla_context())
+    return not _bypass.active() and _enabled and xla.in_xla_context()
 
 
 def _fuse(inputs, ksize, strides, padding, fmt, stock_pool, path):
@@ -375,15 +348,15 @@ def _keras_wrapper():
 
 def _max_pool(inputs, pool_size, strides=None, padding="valid", data_format=None):
     """Keras' TensorFlow max_pool, fused with a ReLU in front of it under XLA (module doc)."""
-    original = _original[0] if _original else _backend_nn().max_pool
+    nn = _backend_nn()
+    original = _hooks.original(nn, "max_pool") or nn.max_pool
 
     def stock_pool(t):
         with _bypass:
             return original(t, pool_size, strides, padding, data_format)
     if _active() and isinstance(padding, str):
-        import keras
-        fmt = ("NHWC" if keras.src.backend.standardize_data_format(data_format) ==
-               "channels_last" else "NCHW")
+        from tf_relupool import _compat
+        fmt = ("NHWC" if _compat.keras_data_format(data_format) == "channels_last" else "NCHW")
         rank = getattr(getattr(inputs, "shape", None), "rank", None)
         try:
             ksize = _attr(pool_size, fmt, rank)
@@ -427,7 +400,7 @@ def _tf_wrapper(fn_name, original):
 
 def tf_nn_installed():
     """Whether tf.nn.max_pool2d and tf.nn.max_pool are wrapped now."""
-    return bool(_tf_originals)
+    return any(_hooks.original(m, n) is not None for m in _tf_nn_modules() for n in _TF_NAMES)
 
 
 def _check_dispatch(nn):
@@ -435,12 +408,13 @@ def _check_dispatch(nn):
     (no compilation) and warns for each path whose call does not reach its wrapper (module
     doc); a pair of modules that passed is not probed again."""
     import tensorflow as tf
-    key = (id(nn), tuple(id(m) for m in _tf_nn_modules()))
-    if key in _probed:
-        return
+    spec = tf.TensorSpec([1, 2, 2, 2])
+    # (the name the wrapper records, the function traced), by the name a warning gives
     paths = {
-        "tf.nn.max_pool2d": lambda x: tf.nn.max_pool2d(tf.nn.relu(x), 2, 2, "VALID"),
-        "tf.nn.max_pool": lambda x: tf.nn.max_pool(tf.nn.relu(x), 2, 2, "VALID"),
+        "tf.nn.max_pool2d": ("tf.nn.max_pool2d",
+                             lambda x: tf.nn.max_pool2d(tf.nn.relu(x), 2, 2, "VALID")),
+        "tf.nn.max_pool": ("tf.nn.max_pool",
+                           lambda x: tf.nn.max_pool(tf.nn.relu(x), 2, 2, "VALID")),
     }
     if nn is not None:
         import keras
@@ -448,30 +422,16 @@ def _check_dispatch(nn):
         # policy would cast the ReLU's output first
         layer = keras.layers.MaxPooling2D(2, data_format="channels_first",
                                           name="tf_relupool_probe", dtype="float32")
-        paths["keras"] = lambda x: layer(tf.nn.relu(x))
-    missing = []
-    for path, fn in paths.items():
-        _local.probe = reached = set()
-        try:
-            tf.function(fn, jit_compile=True, autograph=False).get_concrete_function(
-                tf.TensorSpec([1, 2, 2, 2]))
-        except Exception as e:  # noqa: BLE001 - the probe must not break enable_recompute()
-            missing.append(f"{path} (the probe failed: {e})")
-            continue
-        finally:
-            _local.probe = None
-        if path not in reached:
-            missing.append(path)
-    if missing:
-        what = {"keras": "Keras' MaxPooling2D / keras.ops.max_pool (the wrapper of "
-                         "keras.src.backend.tensorflow.nn.max_pool)"}
-        logger.warning(
-            "tf_relupool: enable_recompute(): %s did not reach tf_relupool's trace-time fusion "
-            "when traced inside tf.function(jit_compile=True); stock ReLU + max pool there are "
-            "not fused under XLA (results stay stock's). Keras or TensorFlow may have moved the "
-            "function tf_relupool wraps.", "; ".join(what.get(m, m) for m in missing))
-    else:
-        _probed.add(key)
+        paths["Keras' MaxPooling2D / keras.ops.max_pool (the wrapper of Keras' TensorFlow "
+              "backend max_pool)"] = ("keras", lambda x: layer(tf.nn.relu(x)))
+    _local.probe = reached = set()
+    try:
+        _hooks.probe((id(nn), tuple(id(m) for m in _tf_nn_modules())),
+                     {name: (fn, spec, lambda path=path: path in reached)
+                      for name, (path, fn) in paths.items()},
+                     "stock ReLU + max pool there are not fused under XLA")
+    finally:
+        _local.probe = None
 
 
 def _attr(v, fmt, rank=4):

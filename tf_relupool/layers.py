@@ -1,9 +1,7 @@
 """Keras 3 layer: ReLU followed by 2-D max pooling, on the fused op when recompute is on."""
 import keras
-from keras.src.ops.operation_utils import compute_pooling_output_shape
-from keras.src.utils.argument_validation import standardize_tuple
 
-from tf_relupool import _geometry, _state
+from tf_relupool import _compat, _geometry, _state
 from tf_relupool.ops import relu_max_pool2d
 
 _PADDINGS = ("valid", "same")
@@ -22,7 +20,7 @@ def _pair(value, name):
     else:
         raise ValueError(f"The `{name}` argument must be an int or a tuple of 2 ints. "
                          f"Received: {name}={value!r}")
-    return standardize_tuple(value, 2, name)
+    return _compat.keras_standardize_tuple(value, 2, name)
 
 
 @keras.saving.register_keras_serializable(package="tf_relupool")
@@ -121,8 +119,8 @@ class ReluMaxPool2D(keras.layers.Layer):
         input_shape = tuple(input_shape)
         if len(input_shape) != 4:
             raise ValueError(f"ReluMaxPool2D expects 4-D input, got shape {input_shape}")
-        return compute_pooling_output_shape(input_shape, self.pool_size, self.strides,
-                                            self.padding, self.data_format)
+        return _compat.keras_pooling_output_shape(input_shape, self.pool_size, self.strides,
+                                                  self.padding, self.data_format)
 
     def get_config(self):
         config_ = super().get_config()

@@ -1,6 +1,5 @@
 """Python API of the fused ReLU + max-pool ops, and their registered gradients."""
 import tensorflow as tf
-from tensorflow.python.framework import ops as tf_ops
 
 from tf_relupool._loader import load_library
 from tf_relupool import _geometry, _state, grappler, xla
@@ -137,7 +136,7 @@ def _pool_attrs(op):
                       "implementation")}
 
 
-@tf_ops.RegisterGradient("ReluMaxPool")
+@tf.RegisterGradient("ReluMaxPool")
 def _relu_max_pool_grad(op, grad):
     return load_library().relu_max_pool_grad(op.inputs[0], grad, **_pool_attrs(op))
 
@@ -150,7 +149,7 @@ def _validate_attr(op):
     return op.get_attr("validate_window_argmax")
 
 
-@tf_ops.RegisterGradient("ReluMaxPoolWithWindowArgmax")
+@tf.RegisterGradient("ReluMaxPoolWithWindowArgmax")
 def _relu_max_pool_with_window_argmax_grad(op, grad, unused_argmax_grad):
     return load_library().relu_max_pool_grad_from_window_argmax(
         tf.shape(op.inputs[0]), grad, op.outputs[1], validate_window_argmax=False,
@@ -164,14 +163,14 @@ def _relu_max_pool_with_window_argmax_grad(op, grad, unused_argmax_grad):
 # to z (a piecewise-constant dependence) it is zero. None instead of zeros for z: stock adds its
 # zeros before ReluGrad, where they cannot change a bit; adding them to dz here could turn a -0
 # into +0.
-@tf_ops.RegisterGradient("ReluMaxPoolGradFromWindowArgmax")
+@tf.RegisterGradient("ReluMaxPoolGradFromWindowArgmax")
 def _relu_max_pool_grad_from_window_argmax_grad(op, grad):
     grad_of_dy = load_library().relu_max_pool_grad_grad_from_window_argmax(
         grad, op.inputs[2], validate_window_argmax=_validate_attr(op), **_pool_attrs(op))
     return None, grad_of_dy, None
 
 
-@tf_ops.RegisterGradient("ReluMaxPoolGrad")
+@tf.RegisterGradient("ReluMaxPoolGrad")
 def _relu_max_pool_grad_grad(op, grad):
     lib = load_library()
     attrs = _pool_attrs(op)
@@ -185,7 +184,7 @@ def _relu_max_pool_grad_grad(op, grad):
         grad, codes, validate_window_argmax=False, **attrs)
 
 
-@tf_ops.RegisterGradient("ReluMaxPoolGradGradFromWindowArgmax")
+@tf.RegisterGradient("ReluMaxPoolGradGradFromWindowArgmax")
 def _relu_max_pool_grad_grad_from_window_argmax_grad(op, grad):
     # The op is linear in its `grad` input; its transpose is the first-order backward.
     grad_input = op.inputs[0]

@@ -13,8 +13,8 @@ recorded; eager ops are not.
 
 def _run_metadata(fn, args, kwargs):
     """Calls fn once with TensorFlow's run-metadata collection on: (result, RunMetadata)."""
-    from tensorflow.python.eager import context  # noqa: PLC0415 - TensorFlow's own API
-    ctx = context.context()
+    from tf_relupool import _compat
+    ctx = _compat.tf_eager_context()
     ctx.enable_graph_collection()
     try:
         out = fn(*args, **kwargs)

@@ -54,18 +54,18 @@ import collections
 import functools
 import logging
 import os
-import threading
 import weakref
 
-from tf_relupool import _reentry, _state, gradient_sources, segment_table
+from tf_relupool import _reentry, gradient_sources, segment_table
+from tf_relupool._hooks import Hooks
 
 logger = logging.getLogger("tf_relupool")
 
 BARRIER_ENV_VAR = "TF_RELUPOOL_BN_RELU_BARRIER"
 BARRIERS = ("auto", "xla", "select")
 
-_lock = threading.Lock()
-_patches = []  # [(owner, attribute, original, wrapper)] while installed
+_hooks = Hooks()  # the table's Keras functions while the recomputation is on
+_enabled = False  # the recomputation, as config pushed it (set_enabled)
 _stats = collections.Counter()
 _DTYPES = ("float16", "bfloat16", "float32", "float64")
 
@@ -100,23 +100,19 @@ def stats():
 
 def installed():
     """Whether the hooks are installed now."""
-    return bool(_patches)
+    return _hooks.installed()
 
 
 def _owners():
     """{owner name of segment_table: object} in this Keras; {} without Keras 3's TensorFlow
     backend."""
-    try:
-        import keras
-        if keras.backend.backend() != "tensorflow":
-            return {}
-        from keras.src.activations import activations
-        from keras.src.backend.tensorflow import nn, numpy
-        from keras.src.layers.normalization.batch_normalization import BatchNormalization
-    except ImportError:
+    from tf_relupool import _compat
+    backend = _compat.keras_tf_backend()
+    if not backend:
         return {}
-    return {"nn": nn, "numpy": numpy, "ReLU": activations.ReLU,
-            "Mish": getattr(activations, "Mish", None), "BatchNormalization": BatchNormalization}
+    import keras
+    return dict(backend, **_compat.keras_activation_classes(),
+                BatchNormalization=keras.layers.BatchNormalization)
 
 
 def _targets():
@@ -144,68 +140,57 @@ def _targets():
 
 
 def set_enabled(on):
-    """Installs (on) or removes (off) the hooks. Removing restores each original unless
-    something else replaced it since (that stays). After an install, a probe traces a tiny
-    conv -> BN -> ReLU -> conv inside tf.function(jit_compile=True) (no compilation) and warns
-    where Keras' calls did not reach the hooks."""
-    installed_now = False
-    with _lock:
-        if on and not _patches:
-            for owner, name, factory in _targets():
-                original = owner.__dict__[name]
-                wrapper = factory(original)
-                _patches.append((owner, name, original, wrapper))
-                setattr(owner, name, wrapper)
-                installed_now = True
-        elif not on:
-            while _patches:
-                owner, name, original, wrapper = _patches.pop()
-                if owner.__dict__.get(name) is wrapper:
-                    setattr(owner, name, original)
-    if installed_now and not _probed:
+    """The recomputation, pushed by config: installs (on) or removes (off) the hooks, and
+    requires the tape wrapper its gradient-source check reads (gradient_sources). Removing
+    restores each original unless something else replaced it since (that stays). After an
+    install, a probe traces a tiny conv -> BN -> ReLU -> conv inside
+    tf.function(jit_compile=True) (no compilation) and warns where Keras' calls did not reach the
+    hooks."""
+    global _enabled
+    gradient_sources.require("segments", on)
+    _enabled = bool(on)
+    if not on:
+        _hooks.remove()
+    elif _hooks.install(_targets()):
         _check_dispatch()
 
 
-_probed = []  # [True] once a probe found every hook reached
-
-
 def _check_dispatch():
-    """The probe of set_enabled: one segment and one C traced, else a warning."""
+    """The probe of set_enabled: one segment at the ReLU and one C at the Conv2D after it."""
     import tensorflow as tf
     from keras import layers
     saved = collections.Counter(_stats)
+    # named: Keras' automatic layer names stay as they were; float32: a mixed-precision policy
+    # would not be covered
+    kw = dict(dtype="float32")
+    conv1 = layers.Conv2D(2, 1, use_bias=False, name="tf_relupool_probe_conv1", **kw)
+    bn = layers.BatchNormalization(name="tf_relupool_probe_bn", **kw)
+    relu = layers.ReLU(name="tf_relupool_probe_relu", **kw)
+    conv2 = layers.Conv2D(2, 1, name="tf_relupool_probe_conv2", **kw)
+    counts = {}
+
+    def block(x):
+        counts.clear()
+        before = collections.Counter(_stats)
+        out = conv2(relu(bn(conv1(x), training=True)))
+        counts.update(segments=_stats["segments"] - before["segments"],
+                      convs=_stats["convs"] - before["convs"])
+        return out
     try:
-        # named: Keras' automatic layer names stay as they were; float32: a mixed-precision
-        # policy would not be covered
-        kw = dict(dtype="float32")
-        conv1 = layers.Conv2D(2, 1, use_bias=False, name="tf_relupool_probe_conv1", **kw)
-        bn = layers.BatchNormalization(name="tf_relupool_probe_bn", **kw)
-        relu = layers.ReLU(name="tf_relupool_probe_relu", **kw)
-        conv2 = layers.Conv2D(2, 1, name="tf_relupool_probe_conv2", **kw)
-        tf.function(lambda x: conv2(relu(bn(conv1(x), training=True))), jit_compile=True,
-                    autograph=False).get_concrete_function(tf.TensorSpec([1, 2, 2, 2]))
-        reached = (_stats["segments"] > saved["segments"], _stats["convs"] > saved["convs"])
-    except Exception as e:  # noqa: BLE001 - the probe must not break enable_recompute()
-        reached, error = (False, False), e
-    else:
-        error = None
+        _hooks.probe("keras", {
+            "a ReLU after BatchNormalization (no segment there)":
+                (block, tf.TensorSpec([1, 2, 2, 2]), lambda: counts.get("segments", 0) > 0),
+            "the Conv2D after it (no recomputing consumer there)":
+                (block, tf.TensorSpec([1, 2, 2, 2]), lambda: counts.get("convs", 0) > 0)},
+            "BatchNorm and activations run stock's ops there under "
+            "enable_recompute(activations=True)")
     finally:
         _stats.clear()
         _stats.update(saved)
-    if all(reached):
-        _probed.append(True)
-        return
-    logger.warning(
-        "tf_relupool: enable_recompute(activations=True): a conv -> BatchNormalization -> ReLU "
-        "-> conv traced inside tf.function(jit_compile=True) did not reach tf_relupool's hooks "
-        "(%s); BatchNorm and activations run stock's ops there (no saving, stock's results). "
-        "Keras may have moved the functions tf_relupool wraps.",
-        f"the probe failed: {error}" if error else
-        "no segment at the ReLU" if not reached[0] else "no segment at the Conv2D")
 
 
 def _active():
-    if not (_state.mode() is not None and _state.bn_relu()):
+    if not _enabled:
         return False
     from tf_relupool import xla
     return xla.in_xla_context()
@@ -684,11 +669,8 @@ def barrier_kind():
 
 
 def _xla_barrier():
-    try:
-        from tensorflow.compiler.tf2xla.ops import gen_xla_ops
-        return gen_xla_ops.xla_optimization_barrier
-    except (ImportError, AttributeError):
-        return None
+    from tf_relupool import _compat
+    return _compat.tf_xla_optimization_barrier()
 
 
 def _small(roots, full):

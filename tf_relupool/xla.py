@@ -36,9 +36,8 @@ import weakref
 
 import numpy as np
 import tensorflow as tf
-from tensorflow.python.ops import gen_math_ops, gen_nn_ops, nn_ops
 
-from tf_relupool import _geometry, gradient_sources
+from tf_relupool import _compat, _geometry, gradient_sources
 
 logger = logging.getLogger("tf_relupool")
 
@@ -69,16 +68,18 @@ _NOT_BITWISE = ("not fused: its gradient multiplies dz by a function of its outp
 #: non-decreasing. Rows with `not_fused` (why) run stock's ops: those are the pattern table's
 #: "monotone" role's ops less these (tf_relupool/patterns.py).
 MONOTONE = {
-    "Relu6": Monotone("Relu6", lambda g, y, op: gen_nn_ops.relu6_grad(g, y), None, None),
-    "LeakyRelu": Monotone("LeakyRelu", lambda g, y, op: gen_nn_ops.leaky_relu_grad(
-        g, y, alpha=op.get_attr("alpha")), lambda op: op.get_attr("alpha") >= 0, None),
-    "Elu": Monotone("Elu", lambda g, y, op: gen_nn_ops.elu_grad(g, y), None,
+    "Relu6": Monotone("Relu6", lambda g, y, op: tf.raw_ops.Relu6Grad(gradients=g, features=y),
+                      None, None),
+    "LeakyRelu": Monotone("LeakyRelu", lambda g, y, op: tf.raw_ops.LeakyReluGrad(
+        gradients=g, features=y, alpha=op.get_attr("alpha")),
+        lambda op: op.get_attr("alpha") >= 0, None),
+    "Elu": Monotone("Elu", lambda g, y, op: tf.raw_ops.EluGrad(gradients=g, outputs=y), None,
                     _NOT_BITWISE.format("ELU")),
-    "Selu": Monotone("Selu", lambda g, y, op: gen_nn_ops.selu_grad(g, y), None,
+    "Selu": Monotone("Selu", lambda g, y, op: tf.raw_ops.SeluGrad(gradients=g, outputs=y), None,
                      _NOT_BITWISE.format("SELU")),
-    "Sigmoid": Monotone("Sigmoid", lambda g, y, op: gen_math_ops.sigmoid_grad(y, g), None,
+    "Sigmoid": Monotone("Sigmoid", lambda g, y, op: tf.raw_ops.SigmoidGrad(y=y, dy=g), None,
                         _NOT_BITWISE.format("sigmoid")),
-    "Tanh": Monotone("Tanh", lambda g, y, op: gen_math_ops.tanh_grad(y, g), None,
+    "Tanh": Monotone("Tanh", lambda g, y, op: tf.raw_ops.TanhGrad(y=y, dy=g), None,
                      _NOT_BITWISE.format("tanh")),
 }
 
@@ -95,17 +96,12 @@ def monotone(op):
 def in_xla_context():
     """True while tracing inside an XLA-compiled function (`tf.function(jit_compile=True)`).
 
-    Uses TensorFlow's private `control_flow_util.GraphOrParentsInXlaContext`, guarded: if
-    TensorFlow moves it, this answers False (and the op library's ops are emitted, which XLA
-    then reports as unregistered)."""
+    Uses a private TensorFlow name (_compat.tf_in_xla_context): if TensorFlow moves it, this
+    answers False (and the op library's ops are emitted, which XLA then reports as
+    unregistered)."""
     if tf.executing_eagerly():
         return False
-    try:
-        from tensorflow.python.framework import ops as tf_ops
-        from tensorflow.python.ops import control_flow_util
-        return bool(control_flow_util.GraphOrParentsInXlaContext(tf_ops.get_default_graph()))
-    except (ImportError, AttributeError):
-        return False
+    return _compat.tf_in_xla_context()
 
 
 def pool_geometry(input_hw, ksize, strides, padding, explicit_paddings, data_format):
@@ -177,18 +173,10 @@ _warned_lock = threading.Lock()
 def _owner():
     """(words, object): the Keras model being called (its outermost layer), else the outermost
     traced function's graph."""
-    layer = None
-    try:
-        from keras.src.backend.common import global_state
-        layer = getattr(global_state.get_global_attribute("current_call_ctx"), "entry_layer", None)
-    except Exception:  # noqa: BLE001 - no Keras 3, or it moved: the function instead
-        pass
+    layer = _compat.keras_entry_layer()
     if layer is not None:
         return f"model {getattr(layer, 'name', '?')!r}", layer
-    from tensorflow.python.framework import func_graph, ops as tf_ops
-    graph = tf_ops.get_default_graph()
-    while isinstance(getattr(graph, "outer_graph", None), func_graph.FuncGraph):
-        graph = graph.outer_graph
+    graph = _compat.tf_outermost_function_graph()
     return f"function {graph.name!r}", graph
 
 
@@ -431,8 +419,9 @@ def _stock_max_pool2d(r, ksize, strides, padding, explicit_paddings, data_format
         pairs = [list(explicit_paddings[2 * d:2 * d + 2]) for d in range(4)]
         r = tf.pad(r, pairs, constant_values=tf.constant(-np.inf, r.dtype))
         padding = "VALID"
-    # TensorFlow's own function, not the `tf.nn` attribute the switch wraps (keras_fusion)
-    return nn_ops.max_pool2d(r, ksize, strides, padding, data_format=data_format)
+    # the op itself, not the `tf.nn` attribute the switch wraps (keras_fusion)
+    return tf.raw_ops.MaxPool(input=r, ksize=list(ksize), strides=list(strides), padding=padding,
+                              data_format=data_format)
 
 
 def stock_relu_max_pool2d(z, ksize, strides, padding, explicit_paddings, data_format):
