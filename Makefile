@@ -30,10 +30,10 @@ install: $(VENV)/.installed
 # without AVX-512, where stock has no NCHW Conv2D/MaxPool) and XLA's CPU code capped at AVX2
 # (--xla_cpu_max_isa=AVX2), the op library's CPU kernels on their AVX2 path (TF_RELUPOOL_CPU_ISA),
 # so that neither a result nor a test that holds only on an AVX-512 machine with oneDNN can land. Left out of that pass: modules that read no kernel's or XLA's
-# bits (the loader, versions, GPU-only ones) and test_examples.py's minutes-long trainings
+# bits (the loader, versions, the compat names and the hook layer, GPU-only ones) and test_examples.py's minutes-long trainings
 # (test_keras_integration.py, test_bn_relu.py and test_segments.py cover bitwise training there).
 CPU_INDEPENDENT ?= tests/test_loader.py tests/test_versions.py tests/test_gpu.py \
-	tests/test_gpu_build.py tests/test_examples.py
+	tests/test_gpu_build.py tests/test_examples.py tests/test_compat.py tests/test_hooks.py
 STOCK_TESTS ?= $(filter-out $(CPU_INDEPENDENT),$(sort $(wildcard tests/test_*.py)))
 AVX2_ENV := TF_ENABLE_ONEDNN_OPTS=0 XLA_FLAGS="$$XLA_FLAGS --xla_cpu_max_isa=AVX2" TF_RELUPOOL_CPU_ISA=avx2
 
