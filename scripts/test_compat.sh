@@ -14,7 +14,8 @@ ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 COMPAT_DIR=${COMPAT_DIR:-$ROOT/build/compat}
 PYTHON=${PYTHON:-python3}
 SMOKE=(test_ops.py test_layers.py test_grappler.py test_fuse_relu_max_pool.py test_fold_transposes.py
-       test_patterns.py test_xla.py test_loader.py test_bn_relu.py)
+       test_patterns.py test_xla.py test_loader.py test_bn_relu.py test_compat.py
+       test_pool_activations.py)
 [ $# -gt 0 ] || set -- 2.20.0
 mkdir -p "$COMPAT_DIR" && COMPAT_DIR=$(cd "$COMPAT_DIR" && pwd)
 
