@@ -271,3 +271,61 @@ def test_fusion_report_names_the_activation():
     # 2x8x8x3 floats the pool's gradient no longer keeps, against 2x4x4x3 one-byte codes
     assert pair["bytes_saved"] == 2 * 8 * 8 * 3 * 4 - 2 * 4 * 4 * 3
     assert "| pool | yes (LeakyRelu) |" in str(report)
+
+
+@settings(max_examples=25, deadline=None)
+@given(act=st.sampled_from(["Relu"] + FUSED), n=st.integers(1, 2), d=st.integers(2, 6),
+       h=st.integers(2, 6), w=st.integers(2, 6), c=st.integers(1, 2),
+       k=st.tuples(st.integers(1, 3), st.integers(1, 3), st.integers(1, 3)),
+       s=st.tuples(st.integers(1, 2), st.integers(1, 2), st.integers(1, 2)),
+       padding=st.sampled_from(["valid", "same"]),
+       dtype=st.sampled_from([tf.float32, tf.float16, tf.bfloat16]),  # MaxPool3D's dtypes
+       seed=st.integers(0, 2**31 - 1))
+def test_3d_pool_bitwise_as_stock(act, n, d, h, w, c, k, s, padding, dtype, seed):
+    """keras.ops.max_pool over a 5-D input (MaxPooling3D's call) after a ReLU, relu6 or leaky
+    ReLU, data full of ties, inside XLA: fused, forward and dz bit for bit as stock XLA's for
+    VALID windows, and for SAME windows as stock XLA's VALID pool over f(z) padded with -inf
+    (the row-major first maximum)."""
+    if padding == "valid" and (k[0] > d or k[1] > h or k[2] > w):
+        return
+    rng = np.random.default_rng(seed)
+    f = tf.nn.relu if act == "Relu" else ACTIVATIONS[act]
+    z = _ties(rng, (n, d, h, w, c), dtype, 0.5)
+
+    def pool(t):
+        return keras.ops.max_pool(f(t), k, s, padding)
+    dims = xla.pool_geometry((d, h, w), [1, *k, 1], [1, *s, 1], padding.upper(), [], "NDHWC")
+    dy = _ties(rng, (n, *(x[-1] for x in dims), c), dtype, 0.25) * tf.constant(-1.0, dtype)
+    tf_relupool.disable_recompute()
+    if padding == "valid":
+        ref = _step(pool)(z, dy)
+    else:
+        pads = [[0, 0]] + [[x[3], x[4]] for x in dims] + [[0, 0]]
+
+        def valid_over_padded(t):
+            a = tf.pad(f(t), pads, constant_values=tf.constant(-np.inf, dtype))
+            return keras.ops.max_pool(a, k, s, "valid")
+        ref = _step(valid_over_padded)(z, dy)
+    before = keras_fusion.stats()["fused"]
+    with tf_relupool.recompute():
+        got = _step(pool)(z, dy)
+    assert keras_fusion.stats()["fused"] == before + 1
+    where = f"{act} {z.shape} k={k} s={s} {padding} {dtype.name}"
+    assert_bitwise_equal(got[0], ref[0], f"forward {where}")
+    assert_bitwise_equal(got[1], ref[1], f"dz {where}")
+
+
+def test_3d_image_classification_bitwise():
+    """keras-io's 3D_image_classification blocks (Conv3D(relu) -> MaxPool3D(2) ->
+    BatchNormalization), scaled down, first convolution without bias: both pools fused, loss and
+    every gradient as stock's."""
+    def build():
+        inp = keras.Input((8, 8, 8, 1))
+        x = keras.layers.Conv3D(4, 3, activation="relu", use_bias=False)(inp)
+        x = keras.layers.MaxPool3D(2)(x)
+        x = keras.layers.BatchNormalization()(x)
+        x = keras.layers.Conv3D(4, 2, activation="relu")(x)
+        x = keras.layers.MaxPool3D(2, padding="same")(x)
+        return keras.Model(inp, keras.layers.Dense(2)(keras.layers.GlobalAveragePooling3D()(x)))
+    x = tf.random.stateless_normal([2, 8, 8, 8, 1], seed=[11, 12])
+    _bitwise_steps(build, x, tf.constant([0, 1]), expect_fused=2)

@@ -1,4 +1,4 @@
-"""2-D pooling geometry shared by ops, layers, xla and keras_fusion: which axes of a 4-D tensor
+"""Pooling geometry shared by ops, layers, xla and keras_fusion: which axes of a 4-D (2-D pool) or 5-D (3-D pool) tensor
 are spatial, the op's 4-entry window attributes, and the length of a pooled dimension (as
 MaxPool computes it). No TensorFlow import. The layer's output shape is Keras' own
 `compute_pooling_output_shape`, which computes the same lengths."""
@@ -7,19 +7,20 @@ import numpy as np
 
 #: The data formats of the op ("NHWC", "NCHW") and of Keras ("channels_last", "channels_first")
 #: whose channels come last.
-_CHANNELS_LAST = ("NHWC", "channels_last")
+_CHANNELS_LAST = ("NHWC", "NDHWC", "channels_last")
 
 
 def spatial_axes(data_format):
-    """(rows, cols): the spatial axes of a 4-D tensor in `data_format` ("NHWC" or "NCHW", or
-    Keras' "channels_last" or "channels_first")."""
-    return (1, 2) if data_format in _CHANNELS_LAST else (2, 3)
+    """The spatial axes of a tensor in `data_format`: (rows, cols) for "NHWC" or "NCHW" (or
+    Keras' "channels_last" or "channels_first"), (depth, rows, cols) for "NDHWC" or "NCDHW"."""
+    n = 3 if data_format in ("NDHWC", "NCDHW") else 2
+    first = 1 if data_format in _CHANNELS_LAST else 2
+    return tuple(range(first, first + n))
 
 
 def spatial(values, data_format):
-    """(rows' entry, cols' entry) of a 4-entry shape or attribute in `data_format`."""
-    rows, cols = spatial_axes(data_format)
-    return values[rows], values[cols]
+    """The spatial entries of a shape or attribute in `data_format` (spatial_axes)."""
+    return tuple(values[a] for a in spatial_axes(data_format))
 
 
 def window_attr(rows, cols, data_format):

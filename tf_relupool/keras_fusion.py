@@ -234,38 +234,39 @@ def _fuse(inputs, ksize, strides, padding, fmt, stock_pool, path):
     `fmt`, padding "VALID"/"SAME"), stock's pool where a fallback reason applies, or None where
     `inputs` completes no trace-time pattern. `path` names the wrapper (for the probe). A 3-D
     input is a 1-D pool (MaxPooling1D: `fmt` "NHWC" for NWC, the window's rows 1), which stock
-    runs as a 2-D pool over a height of 1: so does the fused form (channels_last only)."""
+    runs as a 2-D pool over a height of 1: so does the fused form; a 5-D input a 3-D pool
+    (MaxPooling3D, `fmt` "NDHWC"). Both channels_last only."""
     import tensorflow as tf
     from tf_relupool import xla
     rank = inputs.shape.rank if isinstance(inputs, tf.Tensor) else None
-    if not (rank in (3, 4) and padding in ("VALID", "SAME") and inputs.dtype.name in _DTYPES):
+    if not (rank in (3, 4, 5) and padding in ("VALID", "SAME") and inputs.dtype.name in _DTYPES):
         if getattr(_local, "probe", None) is None:
             _record(fused=False, path=path, input_op=getattr(getattr(inputs, "op", None), "name",
                                                               None),
-                    reason="not a 3-D or 4-D floating-point input (a 1-D or 2-D pool) with "
-                           "VALID or SAME padding")
+                    reason="not a 3-D, 4-D or 5-D floating-point input (a 1-D, 2-D or 3-D pool) "
+                           "with VALID or SAME padding")
         return None
-    if rank == 3 and fmt != "NHWC":
+    if rank != 4 and fmt not in ("NHWC", "NDHWC"):
         if getattr(_local, "probe", None) is None:
             _record(fused=False, path=path, input_op=inputs.op.name,
-                    reason="a channels_first 1-D pool: fused, the gradient into the convolution "
-                           "before it differed from stock's in the last bits on an H100 "
-                           "(2026-12-05)")
+                    reason=f"a channels_first {rank - 2}-D pool: fused, a channels_first 1-D "
+                           "pool's gradient into the convolution before it differed from "
+                           "stock's in the last bits on an H100 (2026-12-05)")
         return None
     if rank == 3:  # a 1-D pool: the 2-D form over a height of 1, its output squeezed
         axis = 1
 
         def stock_pool_2d(t):
             return tf.expand_dims(stock_pool(tf.squeeze(t, [axis])), axis)
-        out = _fuse_2d(inputs, ksize, strides, padding, fmt, stock_pool_2d, path,
+        out = _fuse_pool(inputs, ksize, strides, padding, fmt, stock_pool_2d, path,
                        lambda t: tf.expand_dims(t, axis))
         return None if out is None else tf.squeeze(out, [axis])
-    return _fuse_2d(inputs, ksize, strides, padding, fmt, stock_pool, path, lambda t: t)
+    return _fuse_pool(inputs, ksize, strides, padding, fmt, stock_pool, path, lambda t: t)
 
 
-def _fuse_2d(traced_input, ksize, strides, padding, fmt, stock_pool, path, to_2d):
+def _fuse_pool(traced_input, ksize, strides, padding, fmt, stock_pool, path, to_2d):
     """_fuse once the pool's input as traced (`traced_input`) and its pattern's z are made 4-D
-    by `to_2d`, which `stock_pool` takes."""
+    (a 1-D pool) by `to_2d`, which `stock_pool` takes."""
     import tensorflow as tf
     from tf_relupool import xla
     found = _fusable_input(traced_input)
@@ -325,8 +326,8 @@ def _pooled_elements(shape, ksize, strides, padding, fmt):
     """Elements of the pool's output (one byte of code each under the fusion)."""
     from tf_relupool import xla
     dims = xla.pool_geometry(_geometry.spatial(shape, fmt), ksize, strides, padding, [], fmt)
-    channels = shape[3] if fmt == "NHWC" else shape[1]
-    return int(shape[0]) * int(channels) * dims[0][-1] * dims[1][-1]
+    channels = shape[-1] if _geometry.spatial_axes(fmt)[0] == 1 else shape[1]
+    return int(shape[0]) * int(channels) * int(np.prod([d[-1] for d in dims]))
 
 
 def _no_autograph(fn):
@@ -356,8 +357,9 @@ def _max_pool(inputs, pool_size, strides=None, padding="valid", data_format=None
             return original(t, pool_size, strides, padding, data_format)
     if _active() and isinstance(padding, str):
         from tf_relupool import _compat
-        fmt = ("NHWC" if _compat.keras_data_format(data_format) == "channels_last" else "NCHW")
         rank = getattr(getattr(inputs, "shape", None), "rank", None)
+        last = _compat.keras_data_format(data_format) == "channels_last"
+        fmt = ("NDHWC" if last else "NCDHW") if rank == 5 else ("NHWC" if last else "NCHW")
         try:
             ksize = _attr(pool_size, fmt, rank)
             stride_attr = _attr(pool_size if strides is None else strides, fmt, rank)
@@ -380,7 +382,8 @@ def _tf_wrapper(fn_name, original):
             with _bypass:
                 return original(t, ksize, strides, padding, data_format=data_format, name=name)
         fmt = "NHWC" if data_format is None else data_format
-        if _active() and isinstance(padding, str) and fmt in ("NHWC", "NCHW"):
+        if (_active() and isinstance(padding, str) and fmt in ("NHWC", "NCHW")
+                and getattr(getattr(input, "shape", None), "rank", None) == 4):  # 2-D pools only
             try:
                 k4 = _geometry.normalize_window(ksize, "ksize", fmt)
                 s4 = _geometry.normalize_window(strides, "strides", fmt)
@@ -436,10 +439,15 @@ def _check_dispatch(nn):
 
 def _attr(v, fmt, rank=4):
     """A Keras pool_size/strides as the op's 4-entry attribute in `fmt`; for a 3-D input (a 1-D
-    pool) the window over a height of 1."""
+    pool) the window over a height of 1; for a 5-D input (a 3-D pool) the 5-entry one."""
     if rank == 3:
         (k,) = (int(v),) if np.ndim(v) == 0 else tuple(int(x) for x in v)
         return _geometry.window_attr(1, k, fmt)
+    if rank == 5:
+        k = (int(v),) * 3 if np.ndim(v) == 0 else tuple(int(x) for x in v)
+        if len(k) != 3:
+            raise ValueError(f"a 3-D pool's window has 3 entries, got {v!r}")
+        return [1, *k, 1] if fmt == "NDHWC" else [1, 1, *k]
     return _geometry.window_attr(*_pair(v), fmt)
 
 

@@ -30,6 +30,7 @@ spatial dimensions are unknown at trace time, run the stock ops inside XLA (exac
 WARNING per reason and Keras model (or traced function) on the `tf_relupool` logger.
 """
 import collections
+import itertools
 import logging
 import threading
 import weakref
@@ -107,7 +108,8 @@ def in_xla_context():
 def pool_geometry(input_hw, ksize, strides, padding, explicit_paddings, data_format):
     """Per spatial dimension (input size, window, stride, pad before, pad after, output size).
 
-    `ksize`/`strides` are 4-entry lists in `data_format`, `padding` "VALID"/"SAME"/"EXPLICIT".
+    `ksize`/`strides` are 4-entry (5-entry for a 3-D pool) lists in `data_format`, `padding`
+    "VALID"/"SAME"/"EXPLICIT" (2-D only).
     Output sizes as MaxPool computes them; ValueError where no window fits."""
     dims = []
     for axis, size in zip(_geometry.spatial_axes(data_format), input_hw):
@@ -136,8 +138,7 @@ def window_range(dim):
 
 def window_positions(dims):
     """The positions of a window clipped to the input: those the XLA form scans and codes."""
-    (first_h, last_h), (first_w, last_w) = (window_range(d) for d in dims)
-    return (last_h - first_h + 1) * (last_w - first_w + 1)
+    return int(np.prod([last - first + 1 for first, last in map(window_range, dims)]))
 
 
 #: Why the XLA form falls back to the stock ops: the keys of unsupported_reason's first field.
@@ -148,14 +149,15 @@ def unsupported_reason(input_shape, ksize, strides, padding, explicit_paddings, 
     """(kind, text): why the XLA form cannot run these arguments (kind UNKNOWN_SIZE or
     LARGE_WINDOW), or None where it can."""
     shape = tf.TensorShape(input_shape)
-    if shape.rank != 4 or None in _geometry.spatial(shape, data_format):
-        return UNKNOWN_SIZE, f"an input whose height and width are unknown at trace time ({shape})"
+    if shape.rank != len(data_format) or None in _geometry.spatial(shape, data_format):
+        what = "height and width" if len(data_format) == 4 else "depth, height and width"
+        return UNKNOWN_SIZE, f"an input whose {what} are unknown at trace time ({shape})"
     dims = pool_geometry(_geometry.spatial(shape, data_format), ksize, strides, padding,
                          explicit_paddings, data_format)
     positions = window_positions(dims)
     if positions > MAX_WINDOW_POSITIONS:
-        kh, kw = (int(v) for v in _geometry.spatial(ksize, data_format))
-        return LARGE_WINDOW, (f"a {kh}x{kw} window with {positions} positions over the input "
+        window = "x".join(str(int(v)) for v in _geometry.spatial(ksize, data_format))
+        return LARGE_WINDOW, (f"a {window} window with {positions} positions over the input "
                               f"(the XLA form unrolls at most {MAX_WINDOW_POSITIONS})")
     return None
 
@@ -199,25 +201,39 @@ def warn_fallback(kind, text):
 
 def _strided(x, axes, starts, stops, steps):
     """x[..., start:stop:step, ...] on the given axes (other axes whole, any size)."""
-    index = [slice(None)] * 4
+    index = [slice(None)] * x.shape.rank
     for axis, a, b, s in zip(axes, starts, stops, steps):
         index[axis] = slice(a, b, s)
     return x[tuple(index)]
 
 
-def _in_bounds(dims, i, j, data_format):
-    """For window offset (i, j): a constant bool tensor over the pooled positions, broadcast in
-    `data_format`, of the windows where that offset lies inside the input (not in SAME/EXPLICIT
-    padding), or None where it does in every window."""
+def _broadcast_shape(sizes, data_format):
+    """(1, *sizes, 1) channels last, (1, 1, *sizes) channels first: a constant over the spatial
+    dimensions, broadcast over batch and channels."""
+    sizes = tuple(sizes)
+    return (1,) + sizes + (1,) if _geometry.spatial_axes(data_format)[0] == 1 else (1, 1) + sizes
+
+
+def _in_bounds(dims, offsets, data_format):
+    """For the window offset `offsets` (one per spatial dimension): a constant bool tensor over
+    the pooled positions, broadcast in `data_format`, of the windows where that offset lies
+    inside the input (not in SAME/EXPLICIT padding), or None where it does in every window."""
     masks = []
-    for (size, _, s, before, _, out), off in zip(dims, (i, j)):
+    for (size, _, s, before, _, out), off in zip(dims, offsets):
         pos = np.arange(out) * s + off - before
         masks.append((pos >= 0) & (pos < size))
-    if masks[0].all() and masks[1].all():
+    if all(m.all() for m in masks):
         return None
-    m = masks[0][:, None] & masks[1][None, :]
-    oh, ow = m.shape
-    return tf.constant(m.reshape((1, oh, ow, 1) if data_format == "NHWC" else (1, 1, oh, ow)))
+    grid = masks[0]
+    for m in masks[1:]:
+        grid = grid[..., None] & m
+    return tf.constant(grid.reshape(_broadcast_shape(grid.shape, data_format)))
+
+
+def _code_strides(ranges):
+    """Row-major strides of the scanned window positions (`ranges`: (first, last) per dim)."""
+    counts = [last - first + 1 for first, last in ranges]
+    return [int(np.prod(counts[d + 1:])) for d in range(len(counts))]
 
 
 def _forward(r, pool_args, dims, data_format, relu):
@@ -229,39 +245,40 @@ def _forward(r, pool_args, dims, data_format, relu):
     are NO_GRADIENT where the selected value is not > 0. XLA fuses both into loops over z: r is
     not kept."""
     axes = _geometry.spatial_axes(data_format)
-    (_, kh, sh, th, bh, oh), (_, kw, sw, tw, bw, ow) = dims
-    y = _stock_max_pool2d(r, *pool_args)
-    if th or bh or tw or bw:
-        paddings = [[0, 0]] * 4
-        paddings[axes[0]], paddings[axes[1]] = [th, bh], [tw, bw]
+    y = _stock_max_pool(r, *pool_args)
+    if any(d[3] or d[4] for d in dims):
+        paddings = [[0, 0]] * r.shape.rank
+        for axis, d in zip(axes, dims):
+            paddings[axis] = [d[3], d[4]]
         r = tf.pad(r, paddings)  # padded positions are never selected (_in_bounds)
     # Only the offsets that can hold an input element (window_range); the others are padding in
     # every window, never selected. Codes number the scanned positions in row-major order.
-    (first_h, last_h), (first_w, last_w) = (window_range(d) for d in dims)
-    nw = last_w - first_w + 1
-    sel = code = None
-    for i in range(first_h, last_h + 1):
-        for j in range(first_w, last_w + 1):
-            cur = _strided(r, axes, (i, j), (i + (oh - 1) * sh + 1, j + (ow - 1) * sw + 1),
-                           (sh, sw))
-            in_bounds = _in_bounds(dims, i, j, data_format)
-            t = tf.constant((i - first_h) * nw + j - first_w, tf.uint8)
-            if sel is None:
-                # The first position: selected unless it is padding.
-                sel, code = cur, tf.zeros_like(cur, dtype=tf.uint8)
-                first_pad = None if in_bounds is None else tf.logical_not(in_bounds)
-                continue
-            # SelectAndScatter(select=Ge): a later in-bounds position takes over when
-            # !(selected >= current); while nothing in-bounds is selected yet, any in-bounds one.
-            take = tf.logical_not(sel >= cur)
-            if first_pad is not None:
-                take = take | first_pad
-            if in_bounds is not None:
-                take = take & in_bounds
-            sel = tf.where(take, cur, sel)
-            code = tf.where(take, t, code)
-            if first_pad is not None:  # an in-bounds position seen: no longer before the first
-                first_pad = None if in_bounds is None else first_pad & tf.logical_not(in_bounds)
+    ranges = [window_range(d) for d in dims]
+    code_strides = _code_strides(ranges)
+    sel = code = first_pad = None
+    for offsets in itertools.product(*(range(first, last + 1) for first, last in ranges)):
+        cur = _strided(r, axes, offsets,
+                       [o + (d[5] - 1) * d[2] + 1 for o, d in zip(offsets, dims)],
+                       [d[2] for d in dims])
+        in_bounds = _in_bounds(dims, offsets, data_format)
+        t = tf.constant(sum((o - rg[0]) * cs for o, rg, cs in zip(offsets, ranges,
+                                                                   code_strides)), tf.uint8)
+        if sel is None:
+            # The first position: selected unless it is padding.
+            sel, code = cur, tf.zeros_like(cur, dtype=tf.uint8)
+            first_pad = None if in_bounds is None else tf.logical_not(in_bounds)
+            continue
+        # SelectAndScatter(select=Ge): a later in-bounds position takes over when
+        # !(selected >= current); while nothing in-bounds is selected yet, any in-bounds one.
+        take = tf.logical_not(sel >= cur)
+        if first_pad is not None:
+            take = take | first_pad
+        if in_bounds is not None:
+            take = take & in_bounds
+        sel = tf.where(take, cur, sel)
+        code = tf.where(take, t, code)
+        if first_pad is not None:  # an in-bounds position seen: no longer before the first
+            first_pad = None if in_bounds is None else first_pad & tf.logical_not(in_bounds)
     if relu:
         code = tf.where(sel > tf.zeros([], r.dtype), code, tf.constant(NO_GRADIENT, tf.uint8))
     return y, code
@@ -277,6 +294,13 @@ def _block_index(size, before, k, s, out, q):
     return np.clip(window, 0, out - 1).astype(np.int32), offset, valid
 
 
+def _gather_up(t, windows, axes):
+    """t gathered along each spatial axis to the input positions' windows."""
+    for axis, w in zip(axes, windows):
+        t = tf.gather(t, w, axis=axis)
+    return t
+
+
 def _backward(dy, code, dims, data_format, pooled=None):
     """dz from dy and the codes: each dy goes to its window's coded position, in stock's order.
     With `pooled` (the pool's output), (dz, values): values holds at each input position that a
@@ -284,43 +308,44 @@ def _backward(dy, code, dims, data_format, pooled=None):
 
     Every term is built at z's own shape (a gather of dy and the codes up to the input
     positions, compared with a constant of offsets), so that what XLA fuses into dz's consumers
-    (the bias gradient's reduction, the convolution's backward) sees the same 4-D iteration as
-    stock's ReluGrad output: a reshape from a window-blocked 6-D layout would let XLA reduce over
-    six dimensions, in another order of additions."""
-    (h, kh, sh, th, _, oh), (w, kw, sw, tw, _, ow) = dims
-    rows, cols = _geometry.spatial_axes(data_format)
-    (first_h, last_h), (first_w, last_w) = (window_range(d) for d in dims)
-    nw = last_w - first_w + 1
+    (the bias gradient's reduction, the convolution's backward) sees the same iteration as
+    stock's ReluGrad output: a reshape from a window-blocked layout would let XLA reduce over
+    more dimensions, in another order of additions."""
+    axes = _geometry.spatial_axes(data_format)
+    ranges = [window_range(d) for d in dims]
+    code_strides = _code_strides(ranges)
     zero = tf.zeros([], dy.dtype)
-    const_shape = (1, h, w, 1) if data_format == "NHWC" else (1, 1, h, w)
+    const_shape = _broadcast_shape([d[0] for d in dims], data_format)
     dz = values = None
-    # Block (qh, qw) holds the offsets qh*sh <= i < (qh+1)*sh, qw*sw <= j < (qw+1)*sw: in it each
-    # input element belongs to one window at most. An element's windows in output order are its
-    # blocks in decreasing order, so the sum runs from the last block to the first (as XLA's
-    # SelectAndScatter adds them), starting from that block's term.
-    for qh in reversed(range(-(-kh // sh))):
-        r_win, r_off, r_ok = _block_index(h, th, kh, sh, oh, qh)
-        for qw in reversed(range(-(-kw // sw))):
-            c_win, c_off, c_ok = _block_index(w, tw, kw, sw, ow, qw)
+    # Block q (one index per dimension) holds the offsets q_d*s_d <= i_d < (q_d+1)*s_d: in it
+    # each input element belongs to one window at most. An element's windows in output order
+    # are its blocks in decreasing row-major order, so the sum runs from the last block to the
+    # first (as XLA's SelectAndScatter adds them), starting from that block's term.
+    blocks = [reversed(range(-(-d[1] // d[2]))) for d in dims]
+    for q in itertools.product(*blocks):
+        windows, target, ok = [], None, None
+        for (size, k, s, before, _, out), qd, (first, last), cs in zip(dims, q, ranges,
+                                                                       code_strides):
+            win, off, valid = _block_index(size, before, k, s, out, qd)
             # (offsets of in-bounds elements lie in window_range by its definition)
-            r_ok &= (r_off >= first_h) & (r_off <= last_h)
-            c_ok &= (c_off >= first_w) & (c_off <= last_w)
-            ok = r_ok[:, None] & c_ok[None, :]
-            if not ok.any():
-                continue
-            targets = np.where(ok, (r_off[:, None] - first_h) * nw + c_off[None, :] - first_w,
-                               _NEVER).astype(np.uint8)
-            dy_up = tf.gather(tf.gather(dy, r_win, axis=rows), c_win, axis=cols)
-            code_up = tf.gather(tf.gather(code, r_win, axis=rows), c_win, axis=cols)
-            match = tf.equal(code_up, tf.constant(targets.reshape(const_shape)))
-            term = tf.where(match, dy_up, zero)
-            dz = term if dz is None else dz + term
-            if pooled is not None:
-                y_up = tf.gather(tf.gather(pooled, r_win, axis=rows), c_win, axis=cols)
-                values = tf.where(match, y_up, zero if values is None else values)
+            valid &= (off >= first) & (off <= last)
+            windows.append(win)
+            code_d = (off - first) * cs   # this dimension's part of the row-major code
+            ok = valid if ok is None else ok[..., None] & valid
+            target = code_d if target is None else target[..., None] + code_d
+        if not ok.any():
+            continue
+        targets = np.where(ok, target, _NEVER).astype(np.uint8)
+        dy_up = _gather_up(dy, windows, axes)
+        code_up = _gather_up(code, windows, axes)
+        match = tf.equal(code_up, tf.constant(targets.reshape(const_shape)))
+        term = tf.where(match, dy_up, zero)
+        dz = term if dz is None else dz + term
+        if pooled is not None:
+            y_up = _gather_up(pooled, windows, axes)
+            values = tf.where(match, y_up, zero if values is None else values)
     if dz is None:  # no input position is in any window (stride > window everywhere)
-        dz = tf.zeros_like(tf.gather(tf.gather(dy, np.zeros(h, np.int32), axis=rows),
-                                     np.zeros(w, np.int32), axis=cols))
+        dz = tf.zeros_like(_gather_up(dy, [np.zeros(d[0], np.int32) for d in dims], axes))
         values = dz
     dz = _positive_zeros(dz)
     return dz if pooled is None else (dz, values)
@@ -339,7 +364,8 @@ def relu_max_pool2d(z, ksize, strides, padding, explicit_paddings, data_format, 
     """max_pool2d(relu(z)) for XLA, its gradient from one-byte codes (module docstring).
 
     Arguments in the op's normalized form (4-entry `ksize`/`strides` in `data_format`, padding
-    "VALID"/"SAME"/"EXPLICIT" with 8 `explicit_paddings`). `traced`: the `TracedPool` this
+    "VALID"/"SAME"/"EXPLICIT" with 8 `explicit_paddings`; for a 3-D pool, the switch's fusion of
+    MaxPooling3D, a 5-D z, 5-entry attributes, "NDHWC"/"NCDHW" and VALID/SAME). `traced`: the `TracedPool` this
     replaces, when the switch's trace-time fusion calls it. `activation` (with `traced`): (the
     MONOTONE row, the traced op) of a non-decreasing activation in place of the ReLU, z its
     input and the traced pool's input its output. Where the XLA form does not apply
@@ -412,19 +438,20 @@ class TracedPool:
         return tape.gradient(y, pool_input, output_gradients=dy)
 
 
-def _stock_max_pool2d(r, ksize, strides, padding, explicit_paddings, data_format):
-    """Stock's MaxPool; explicit padding, which XLA's MaxPool lacks, as a VALID pool over r
-    padded with -inf (never a window's maximum)."""
+def _stock_max_pool(r, ksize, strides, padding, explicit_paddings, data_format):
+    """Stock's MaxPool (MaxPool3D for a 3-D pool); explicit padding, which XLA's MaxPool lacks,
+    as a VALID pool over r padded with -inf (never a window's maximum)."""
     if padding == "EXPLICIT":
         pairs = [list(explicit_paddings[2 * d:2 * d + 2]) for d in range(4)]
         r = tf.pad(r, pairs, constant_values=tf.constant(-np.inf, r.dtype))
         padding = "VALID"
     # the op itself, not the `tf.nn` attribute the switch wraps (keras_fusion)
-    return tf.raw_ops.MaxPool(input=r, ksize=list(ksize), strides=list(strides), padding=padding,
-                              data_format=data_format)
+    op = tf.raw_ops.MaxPool3D if len(data_format) == 5 else tf.raw_ops.MaxPool
+    return op(input=r, ksize=list(ksize), strides=list(strides), padding=padding,
+              data_format=data_format)
 
 
 def stock_relu_max_pool2d(z, ksize, strides, padding, explicit_paddings, data_format):
     """The stock ops: tf.nn.max_pool2d(tf.nn.relu(z)) with the op's attributes."""
-    return _stock_max_pool2d(tf.nn.relu(z), ksize, strides, padding, explicit_paddings,
+    return _stock_max_pool(tf.nn.relu(z), ksize, strides, padding, explicit_paddings,
                              data_format)
