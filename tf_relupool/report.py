@@ -119,14 +119,44 @@ def _xla_pairs(model, spec, keep, activations=False):
             "bytes_saved": (out.shape.num_elements() * out.dtype.size
                             if recomputed and out.shape.is_fully_defined() else None)})
     pairs = []
+    names = _layer_names(model)
     for e in events:
         saved = (e["pool_input_bytes"] - e["code_bytes"]
                  if e.get("pool_input_bytes") is not None else None)
+        reason = e.get("reason")
+        producer = _producer_layer(e.get("input_op"), names - {model.name})
+        if reason and producer:
+            reason = f"after layer {producer!r}: {reason}"
         pairs.append({"route": "xla", "where": e["scope"] or e.get("input_op") or "?",
-                      "fused": e["fused"], "reason": e.get("reason"),
+                      "fused": e["fused"], "reason": reason,
                       "activation": e.get("activation"),
                       "bytes_saved": saved if e["fused"] else None})
     return pairs, segment_rows
+
+
+def _layer_names(model):
+    """The names of the model's layers, nested models' included."""
+    names, todo = set(), [model]
+    while todo:
+        layer = todo.pop()
+        names.add(layer.name)
+        todo.extend(getattr(layer, "layers", []))
+    return names
+
+
+def _producer_layer(op_name, names):
+    """The user's layer whose call made the op `op_name` ("functional_1/bn_1/batchnorm/add_1"
+    -> "bn"): the first scope of the op's name that is a layer name, as it is or without the
+    "_N" TensorFlow appends to a scope traced again; None if none is."""
+    import re
+    for part in (op_name or "").split("/")[:-1]:
+        candidates = [part]
+        while re.search(r"_\d+$", candidates[-1]):
+            candidates.append(re.sub(r"_\d+$", "", candidates[-1]))
+        for c in candidates:
+            if c in names:
+                return c
+    return None
 
 
 _POOLS = ("MaxPool", "MaxPoolV2")
