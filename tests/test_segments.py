@@ -168,6 +168,53 @@ def test_output_read_elsewhere_takes_stocks_route():
     assert any("silu output also feeds" in r and reasons[r] > before.get(r, 0) for r in reasons)
 
 
+def _convnext_block():
+    """ConvNeXt's block: depthwise 7x7 -> LayerNormalization -> Dense(4C) -> GELU -> Dense(C) ->
+    residual Add: the GELU's input is a Dense output, no BatchNormalization."""
+    keras.utils.set_random_seed(8)
+    inputs = keras.Input((8, 8, 16))
+    x = layers.LayerNormalization(epsilon=1e-6)(layers.DepthwiseConv2D(7, padding="same")(inputs))
+    x = layers.Dense(16)(layers.Activation("gelu")(layers.Dense(64)(x)))
+    x = layers.GlobalAveragePooling2D()(layers.Add()([inputs, x]))
+    return keras.Model(inputs, layers.Dense(10)(x))
+
+
+def _conv_activation(act):
+    """Conv2D(activation=act) twice, then a Conv2D: the activations' inputs are conv outputs."""
+    keras.utils.set_random_seed(9)
+    inputs = keras.Input((8, 8, 4))
+    x = layers.Conv2D(8, 3, padding="same", activation=act)(inputs)
+    x = layers.Conv2D(8, 3, padding="same", activation=act)(x)
+    x = layers.GlobalAveragePooling2D()(layers.Conv2D(8, 3, padding="same")(x))
+    return keras.Model(inputs, layers.Dense(10)(x))
+
+
+@pytest.mark.parametrize("build,segs", [
+    (_convnext_block, 1),
+    (lambda: _conv_activation("swish"), 2), (lambda: _conv_activation("gelu"), 2),
+    (lambda: _conv_activation("leaky_relu"), 2), (lambda: _conv_activation("mish"), 2),
+    (lambda: _conv_activation("relu"), 0), (lambda: _conv_activation("tanh"), 0)],
+    ids=["convnext", "swish", "gelu", "leaky_relu", "mish", "relu", "tanh"])
+def test_identity_producer(build, segs):
+    """PRODUCERS' identity: an activation whose gradient reads its input (the table's
+    reads_input) starts a segment at that input whatever made it (a Dense's, a conv's output),
+    keeping it alone; ReLU and tanh, whose gradients read their output, do not."""
+    delta = _stock_and_product(build(), 4)
+    assert delta == dict(segments=segs, convs=segs, recomputed=segs, stock=0, fused=0)
+
+
+def test_identity_producer_skips_per_channel_tensors():
+    """An SE block's squeeze ([N, 1, 1, C]) into Conv2D(activation="swish"): nothing worth
+    recomputing, no segment."""
+    keras.utils.set_random_seed(10)
+    inputs = keras.Input((6, 6, 8))
+    s = layers.Reshape((1, 1, 8))(layers.GlobalAveragePooling2D()(inputs))
+    s = layers.Conv2D(8, 1, activation="sigmoid")(layers.Conv2D(4, 1, activation="swish")(s))
+    x = layers.GlobalAveragePooling2D()(layers.multiply([inputs, s]))
+    delta = _stock_and_product(keras.Model(inputs, layers.Dense(10)(x)), 4)
+    assert delta["segments"] == 0
+
+
 # ---- the saving on keras.applications models: XLA's temp buffer, one process per variant ----
 
 @pytest.mark.parametrize("name,size", [("MobileNetV2", 64), ("EfficientNetB0", 64)])

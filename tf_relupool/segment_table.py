@@ -14,7 +14,10 @@ tests/test_segments.py.
   with the forward's copy; needed where the activation's gradient reads a value XLA would
   otherwise keep from the forward (a sigmoid or tanh inside it, which XLA does not duplicate
   into two fusions), and left off for the ReLU family, whose gradient XLA fuses from the BN
-  input by itself (a barrier there changed that fusion and the bits).
+  input by itself (a barrier there changed that fusion and the bits). `reads_input`: stock's
+  gradient reads the activation's input, so that input is kept anyway and a segment can start
+  at it whatever made it (PRODUCERS' identity: ConvNeXt's Dense -> GELU -> Dense, a
+  Conv2D(activation="swish")), keeping it alone instead of it and the output.
 - PRODUCERS: what a segment starts from.
 - CONSUMERS: the Keras backend functions whose gradient would keep a segment's output: their
   backward recomputes it from the segment's kept inputs. Ops whose gradient reads none of their
@@ -22,7 +25,7 @@ tests/test_segments.py.
 """
 import collections
 
-Activation = collections.namedtuple("Activation", "name owner attr monotone hold")
+Activation = collections.namedtuple("Activation", "name owner attr monotone hold reads_input")
 Consumer = collections.namedtuple("Consumer", "name owner attr layers")
 Producer = collections.namedtuple("Producer", "name how")
 
@@ -31,21 +34,21 @@ Producer = collections.namedtuple("Producer", "name how")
 #: a Keras version lacks are skipped there.
 ACTIVATIONS = (
     # ReLU(max_value, negative_slope, threshold), keras.activations.relu(x, ...), "relu"
-    Activation("relu", "ReLU", "static_call", True, True),
-    Activation("relu", "nn", "relu", True, True),            # keras.ops.relu
-    Activation("relu6", "nn", "relu6", True, True),          # ReLU(6.), "relu6"
-    Activation("leaky_relu", "nn", "leaky_relu", True, True),  # LeakyReLU, "leaky_relu"
-    Activation("elu", "nn", "elu", True, False),               # ELU, "elu"
-    Activation("selu", "nn", "selu", True, False),             # "selu"
-    Activation("silu", "nn", "silu", False, False),            # "silu", "swish"
-    Activation("gelu", "nn", "gelu", False, False),            # "gelu", exact and approximate
-    Activation("hard_sigmoid", "nn", "hard_sigmoid", True, True),  # "hard_sigmoid"
-    Activation("hard_silu", "nn", "hard_silu", False, True),  # "hard_silu", "hard_swish"
-    Activation("sigmoid", "nn", "sigmoid", True, False),       # "sigmoid"
-    Activation("tanh", "numpy", "tanh", True, False),          # "tanh", keras.ops.tanh
-    Activation("tanh", "nn", "tanh", True, False),
-    Activation("softplus", "nn", "softplus", True, False),     # "softplus"
-    Activation("mish", "Mish", "static_call", False, False),   # "mish"
+    Activation("relu", "ReLU", "static_call", True, True, False),
+    Activation("relu", "nn", "relu", True, True, False),            # keras.ops.relu
+    Activation("relu6", "nn", "relu6", True, True, False),          # ReLU(6.), "relu6"
+    Activation("leaky_relu", "nn", "leaky_relu", True, True, True),  # LeakyReLU, "leaky_relu"
+    Activation("elu", "nn", "elu", True, False, False),               # ELU, "elu"
+    Activation("selu", "nn", "selu", True, False, False),             # "selu"
+    Activation("silu", "nn", "silu", False, False, True),             # "silu", "swish"
+    Activation("gelu", "nn", "gelu", False, False, True),  # "gelu", exact and approximate
+    Activation("hard_sigmoid", "nn", "hard_sigmoid", True, True, False),  # "hard_sigmoid"
+    Activation("hard_silu", "nn", "hard_silu", False, True, True),  # "hard_silu", "hard_swish"
+    Activation("sigmoid", "nn", "sigmoid", True, False, False),       # "sigmoid"
+    Activation("tanh", "numpy", "tanh", True, False, False),          # "tanh", keras.ops.tanh
+    Activation("tanh", "nn", "tanh", True, False, False),
+    Activation("softplus", "nn", "softplus", True, False, True),      # "softplus"
+    Activation("mish", "Mish", "static_call", False, False, True),    # "mish"
 )
 
 PRODUCERS = (
@@ -54,6 +57,9 @@ PRODUCERS = (
     Producer("add", "an Add of a registered BN output and a tensor of the same shape (a kept "
              "shortcut, or a second BN output: a projection shortcut)"),
     Producer("segment", "another segment's output (an activation of an activation)"),
+    Producer("identity", "any other full-size input of an activation whose gradient reads its "
+             "input (ACTIVATIONS' reads_input): the input is kept anyway, the output recomputed "
+             "from it"),
     Producer("gate", "a segment's output times a per-channel gate (squeeze-and-excitation: "
              "x * gate, the gate of shape [N, 1, 1, C]); the gate is kept, x recomputed"),
 )

@@ -334,6 +334,18 @@ def _source(u):
                   any(p[0] == "keep" for p in parts))
 
 
+def _identity_source(u):
+    """PRODUCERS' identity: u itself kept (an activation whose gradient reads its input keeps
+    it anyway), or None for a tensor of unknown shape, not floating point, or per-channel (an SE
+    block's squeeze, [N, 1, 1, C]: nothing worth recomputing)."""
+    import tensorflow as tf
+    if (not isinstance(u, tf.Tensor) or not u.shape.is_fully_defined() or u.shape.rank < 2
+            or not u.dtype.is_floating
+            or (u.shape.rank > 2 and sum(d > 1 for d in u.shape[1:]) <= 1)):
+        return None
+    return Source([u], lambda ts: ts[0], ())
+
+
 # ------------------------------------------------------------------------- G
 
 class Segment:
@@ -379,6 +391,13 @@ class Segment:
         n = len(self.source.roots)
         return self.op(self.source.value(ts[:n]), *ts[n:])
 
+    def _other_consumers_of_u(self, entry):
+        """The ops reading u besides this G's own: the model's, or another segment's G (a C's
+        recomputation reads u where u is a root itself: PRODUCERS' identity)."""
+        g_ops = set().union(*(seg.ops for seg in entry["segments"].values()))
+        c_ops = entry["ops"] - g_ops
+        return {op.name for op in self.u.consumers()} - self.ops - c_ops
+
     def stock_reason(self):
         """Why this segment's gradient must be stock's (module doc), or None. Asked by G and by
         every C of the segment: on stock's route neither recomputes, and XLA compiles stock's
@@ -392,8 +411,8 @@ class Segment:
             if any(op.name not in ours and op.type not in segment_table.KEEP_NOTHING
                    for op in self.u.consumers()):
                 return "the gated tensor also feeds other ops"
-        elif {op.name for op in self.u.consumers()} - self.ops:  # another segment's G too:
-            # stock sums their gradients at u, and XLA's fusion of that sum decides the bits
+        elif self._other_consumers_of_u(entry):  # another segment's G too: stock sums their
+            # gradients at u, and XLA's fusion of that sum decides the bits
             return f"the {self.name} input feeds other ops"
         for t in self.skipped[:-1]:
             if t.name in entry["bn"] and any(op.name != self.u.op.name and op.name not in ours
@@ -531,6 +550,8 @@ def _activation_wrapper(row, original):
                 return fn(t, *args, **kwargs)
         if not _stock_call.active() and _active():
             source = _source(x)
+            if source is None and row.reads_input:
+                source = _identity_source(x)
             if source is not None:
                 name = _relu_name(row, args, kwargs)
                 seg = Segment(name, source, stock, _hold_g(row.name, row.hold))
