@@ -32,6 +32,8 @@ def test_each_pair_fused_or_why_not_and_bytes_saved(route):
     assert all(p["where"] for p in pairs)
     # the BatchNormalization's pool: no ReLU in front, said so
     assert "not a ReLU" in pairs[1]["reason"] and pairs[1]["bytes_saved"] is None
+    if route == "xla":  # naming the user's layer the pool's input comes from
+        assert pairs[1]["reason"].startswith("after layer 'bn': "), pairs[1]["reason"]
     # p1: 16x32x32x8 fp32 ReLU output kept by stock, against 16x16x16x8 one-byte codes;
     # p3 (3x3... here 2x2 stride 1 SAME over 8x8x4): 16x8x8x4 floats against as many codes
     assert pairs[0]["bytes_saved"] == 16 * 32 * 32 * 8 * 4 - 16 * 16 * 16 * 8
