@@ -217,15 +217,19 @@ def test_identity_producer_skips_per_channel_tensors():
 
 # ---- the saving on keras.applications models: XLA's temp buffer, one process per variant ----
 
-@pytest.mark.parametrize("name,size", [("MobileNetV2", 64), ("EfficientNetB0", 64)])
+@pytest.mark.parametrize("name,size", [("MobileNetV2", 64), ("EfficientNetB0", 64),
+                                       ("MobileNetV3Small", 96)])
 def test_application_trains_bitwise_with_a_smaller_temp_buffer(name, size, tmp_path):
-    """keras.applications' MobileNetV2 (ReLU(6.), zero pads) and EfficientNetB0 (swish, SE
-    gates, dropout) under jit_compile=True on the CPU: two SGD steps bitwise with stock, every
-    segment recomputed, XLA's temp buffer smaller."""
+    """keras.applications' MobileNetV2 (ReLU(6.), zero pads), EfficientNetB0 (swish, SE gates,
+    dropout) and MobileNetV3Small (ReLU into SE gates, hard swish) under jit_compile=True on the
+    CPU: two SGD steps bitwise with stock, every segment recomputed, XLA's temp buffer
+    smaller."""
     # one process per variant: Dropout's seeds are drawn as in a fresh process for both
     stock, stock_temp = xla_temp_and_digest(name, size, 4, "stock", tmp_path, head="logits")
     product, product_temp = xla_temp_and_digest(name, size, 4, "product", tmp_path,
                                                 head="logits")
     assert product["product"] == stock["stock"]
-    assert product["stats"]["recomputed"] > 0 and product["stats"]["stock"] == 0, product
+    assert product["stats"]["recomputed"] > 0, product
+    # MobileNetV3Small: one segment on stock's route, its reason in the stats
+    assert product["stats"]["stock"] == (name == "MobileNetV3Small"), product
     assert product_temp["product"] < stock_temp["stock"], (product_temp, stock_temp)

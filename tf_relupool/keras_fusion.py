@@ -249,9 +249,9 @@ def _fuse(inputs, ksize, strides, padding, fmt, stock_pool, path):
     if rank != 4 and fmt not in ("NHWC", "NDHWC"):
         if getattr(_local, "probe", None) is None:
             _record(fused=False, path=path, input_op=inputs.op.name,
-                    reason=f"a channels_first {rank - 2}-D pool: fused, a channels_first 1-D "
+                    reason=f"a channels_first {rank - 2}-D pool (fused, a channels_first 1-D "
                            "pool's gradient into the convolution before it differed from "
-                           "stock's in the last bits on an H100 (2026-12-05)")
+                           "stock's in the last bits on an H100, 2026-12-05)")
         return None
     if rank == 3:  # a 1-D pool: the 2-D form over a height of 1, its output squeezed
         axis = 1

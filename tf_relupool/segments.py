@@ -371,9 +371,10 @@ class Segment:
 
     def held(self):
         """Whether G's recomputation runs behind the barrier: the table's `hold`, except where
-        the roots hold a kept shortcut or the output feeds an Add (a residual sum): held there,
-        an identity block's fusion of that sum and its bits changed (measured on the CPU)."""
-        return self.hold and not any(op.type in ("AddV2", "Add")
+        the roots hold a kept shortcut or the output feeds an Add (a residual sum) or a Mul (an
+        SE gate): held there, an identity block's fusion of that sum and its bits changed, and
+        MobileNetV3Small's (a ReLU into an SE gate; 96x96, batch 4), measured on the CPU."""
+        return self.hold and not any(op.type in ("AddV2", "Add", "Mul")
                                      for op in self.output.consumers())
 
     @property
