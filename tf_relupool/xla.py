@@ -25,6 +25,10 @@ input element in output order from +0. That is stock under XLA bit for bit for V
 (and in the H200 trainings of docs/xla.md); XLA's CPU backend orders SAME-padded windows
 otherwise, which matters only for tied positive maxima and NaN.
 
+The same form serves relu6 and leaky ReLU in place of the ReLU (MONOTONE below) and 1-D and
+3-D pools (the switch's fusion of MaxPooling1D and MaxPooling3D: the scan and the gathers run
+over every spatial dimension).
+
 Windows of more than `MAX_WINDOW_POSITIONS` positions (clipped to the input), and inputs whose
 spatial dimensions are unknown at trace time, run the stock ops inside XLA (exact), with one
 WARNING per reason and Keras model (or traced function) on the `tf_relupool` logger.
@@ -66,8 +70,8 @@ _NOT_BITWISE = ("not fused: its gradient multiplies dz by a function of its outp
 #: written from its output y (for LeakyRelu, whose registered gradient reads its input x, y > 0
 #: exactly where x > 0 when alpha >= 0), so that the backward reads the one-byte codes and the
 #: pooled output (which the next layer keeps anyway). `condition(op)`: whether this op is
-#: non-decreasing. Rows with `not_fused` (why) run stock's ops: those are the pattern table's
-#: "monotone" role's ops less these (tf_relupool/patterns.py).
+#: non-decreasing. Rows with `not_fused` (why) run stock's ops; the pattern table's "monotone"
+#: role (tf_relupool/patterns.py) holds the other rows' op types.
 MONOTONE = {
     "Relu6": Monotone("Relu6", lambda g, y, op: tf.raw_ops.Relu6Grad(gradients=g, features=y),
                       None, None),
