@@ -23,11 +23,7 @@ from conftest import (assert_bitwise_equal, global_policy, optimized_hlo_shape,
 LR = 0.01
 
 
-@pytest.fixture(autouse=True)
-def switch_off():
-    tf_relupool.disable_recompute()
-    yield
-    tf_relupool.disable_recompute()
+pytestmark = pytest.mark.usefixtures("switch_off")  # conftest's
 
 
 def _data(model, batch, seed=0, classes=10):

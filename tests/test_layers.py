@@ -16,11 +16,7 @@ from conftest import forward_and_input_grad, global_policy, xla_hlo
 L = keras.layers
 
 
-@pytest.fixture(autouse=True)
-def switch_off():
-    tf_relupool.disable_recompute()
-    yield
-    tf_relupool.disable_recompute()
+pytestmark = pytest.mark.usefixtures("switch_off")  # conftest's
 
 
 def stock(x, pool_size, strides, padding, data_format):

@@ -6,24 +6,16 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 import tf_relupool
-from conftest import (DTYPES, all_nan_windows, assert_bitwise_equal, bits, forward_and_input_grad,
-                      fused_forward_and_grad, gradient_ops, make_dy, nhwc_padding, pool_cases,
-                      stock_forward_and_grad, to_nhwc)
-
-
-def _spatial(value, data_format):
-    if isinstance(value, int):
-        return [value, value]
-    if len(value) == 2:
-        return list(value)
-    return list(value[1:3]) if data_format == "NHWC" else list(value[2:4])
+from conftest import (DTYPES, _spatial_pair, all_nan_windows, assert_bitwise_equal, bits,
+                      forward_and_input_grad, fused_forward_and_grad, gradient_ops, make_dy,
+                      nhwc_padding, pool_cases, stock_forward_and_grad, to_nhwc)
 
 
 def _run_case(case, keep):
     z = tf.constant(case["z"], dtype=case["dtype"])
     args = (case["ksize"], case["strides"], case["padding"], case["data_format"])
     rows, cols = (1, 2) if case["data_format"] == "NHWC" else (2, 3)
-    k = _spatial(case["ksize"], case["data_format"])
+    k = _spatial_pair(case["ksize"], case["data_format"])
     if case["padding"] == "VALID" and (k[0] > z.shape[rows] or k[1] > z.shape[cols]):
         # Stock TF refuses this (negative size) or, with oneDNN on, dies of SIGFPE; the fused op
         # returns an empty result and a zero gradient.
@@ -88,7 +80,7 @@ def test_all_nan_window_mask_matches_stock_pooling_of_a_nan_indicator(case):
     fmt = case["data_format"]
     nhwc = to_nhwc(tf.constant(z), fmt)
     k, s = _nhwc_pair(case["ksize"], fmt), _nhwc_pair(case["strides"], fmt)
-    kh, kw = _spatial(case["ksize"], fmt)
+    kh, kw = _spatial_pair(case["ksize"], fmt)
     assume(case["padding"] != "VALID" or (kh <= nhwc.shape[1] and kw <= nhwc.shape[2]))
     indicator = tf.cast(~tf.math.is_nan(nhwc), tf.float32)
     want = tf.nn.max_pool2d(indicator, k, s, nhwc_padding(case["padding"], fmt)).numpy() == 0

@@ -15,6 +15,8 @@ from tf_relupool import keras_fusion, xla
 
 from conftest import assert_bitwise_equal
 
+pytestmark = pytest.mark.usefixtures("switch_off")  # conftest's
+
 #: one builder per MONOTONE row: a test per activation, and a new row without one fails below
 ACTIVATIONS = {
     "Relu6": tf.nn.relu6,

@@ -18,11 +18,7 @@ L = keras.layers
 X = np.random.default_rng(0).normal(size=(2, 16, 16, 3)).astype("float32")
 
 
-@pytest.fixture(autouse=True)
-def switch_off():
-    tf_relupool.disable_recompute()
-    yield
-    tf_relupool.disable_recompute()
+pytestmark = pytest.mark.usefixtures("switch_off")  # conftest's
 
 
 def kinds(model):

@@ -26,11 +26,7 @@ from conftest import (DTYPES, GPU_VISIBLE, assert_bitwise_equal, derivatives,
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-@pytest.fixture(autouse=True)
-def switch_off():
-    tf_relupool.disable_recompute()
-    yield
-    tf_relupool.disable_recompute()
+pytestmark = pytest.mark.usefixtures("switch_off")  # conftest's
 
 
 def _data(rng, shape, dtype, special=True):
