@@ -344,6 +344,50 @@ def forward_and_input_grad(fn, loss=None):
     return step
 
 
+def xla_value_and_grad(fn, z, dy):
+    """(fn(z), d<fn(z), dy>/dz) in one XLA-compiled function."""
+    @tf.function(jit_compile=True)
+    def run(z, dy):
+        with tf.GradientTape() as tape:
+            tape.watch(z)
+            y = fn(z)
+        return y, tape.gradient(y, z, output_gradients=dy)
+    return run(z, dy)
+
+
+def xla_train_step(model, x, y):
+    """(step, step(x, y)): a jit-compiled function of one training step's loss (sparse
+    categorical cross-entropy of logits) and trainable variables' gradients, and its result."""
+    import keras
+    loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+    @tf.function(jit_compile=True)
+    def step(x, y):
+        with tf.GradientTape() as tape:
+            loss = loss_fn(y, model(x, training=True))
+        return loss, tape.gradient(loss, model.trainable_variables)
+    return step, step(x, y)
+
+
+def forward_tensors_the_backward_reads(fn, shape):
+    """The non-constant tensors of the forward pass of fn (z of `shape`, traced inside an
+    XLA-compiled function) that ops of the backward pass read: what is kept between them."""
+    found = []
+
+    def step(z):
+        with tf.GradientTape() as tape:
+            tape.watch(z)
+            y = fn(z)
+        graph = tf.compat.v1.get_default_graph()
+        forward = set(graph.get_operations())
+        dz = tape.gradient(y, z, output_gradients=tf.ones_like(y))
+        found.extend({t.ref(): t for op in graph.get_operations() if op not in forward
+                      for t in op.inputs if t.op in forward and t.op.type != "Const"}.values())
+        return dz
+    tf.function(step, jit_compile=True).get_concrete_function(tf.TensorSpec(shape))
+    return found
+
+
 def gradient_ops(fn, z, op_type):
     """The ops of type `op_type` in the graph of tf.function(forward_and_input_grad(fn)) at z."""
     graph = tf.function(forward_and_input_grad(fn)).get_concrete_function(z).graph

@@ -59,3 +59,14 @@ def test_probe_warns_naming_each_path_not_reached_and_passes_once(caplog):
         hooks.probe("k2", {"path a": paths["path a"]}, "x")
         hooks.probe("k2", {"path b": paths["path b"]}, "x")   # k2 passed: not probed again
     assert not caplog.records
+
+
+def test_probe_traces_a_function_shared_by_paths_once():
+    hooks, traces = Hooks(), []
+
+    def traced(x):
+        traces.append(1)
+        return x
+    spec = tf.TensorSpec([1])
+    hooks.probe("k", {"a": (traced, spec, lambda: True), "b": (traced, spec, lambda: True)}, "x")
+    assert len(traces) == 1 and "k" in hooks._probed

@@ -13,7 +13,8 @@ from hypothesis import strategies as st
 import tf_relupool
 from tf_relupool import keras_fusion, xla
 
-from conftest import assert_bitwise_equal
+from conftest import (assert_bitwise_equal, forward_tensors_the_backward_reads, xla_train_step,
+                      xla_value_and_grad)
 
 pytestmark = pytest.mark.usefixtures("switch_off")  # conftest's
 
@@ -39,17 +40,6 @@ def test_every_monotone_row_has_a_builder_here():
 
 def _fused_count():
     return keras_fusion.stats()["fused_monotone"]
-
-
-def _step(fn):
-    """(y, dz) of fn at z with output gradient dy, in one XLA function."""
-    @tf.function(jit_compile=True)
-    def run(z, dy):
-        with tf.GradientTape() as tape:
-            tape.watch(z)
-            y = fn(z)
-        return y, tape.gradient(y, z, output_gradients=dy)
-    return run
 
 
 def _ties(rng, shape, dtype, scale):
@@ -93,7 +83,7 @@ def test_monotone_activation_and_pool_bitwise_as_stock(act, n, h, w, c, k, s, pa
     dy = _ties(rng, y_shape, dtype, 0.25) * tf.constant(-1.0, dtype)   # -0s in dy too
     tf_relupool.disable_recompute()
     if padding == "VALID":
-        ref = _step(pool)(z, dy)
+        ref = xla_value_and_grad(pool, z, dy)
     else:
         pads = [[0, 0]] * 4
         for axis, d in zip(axes, dims):
@@ -102,10 +92,10 @@ def test_monotone_activation_and_pool_bitwise_as_stock(act, n, h, w, c, k, s, pa
         def valid_over_padded(t):
             a = tf.pad(f(t), pads, constant_values=tf.constant(-np.inf, dtype))
             return tf.nn.max_pool2d(a, window, strides, "VALID", data_format=data_format)
-        ref = _step(valid_over_padded)(z, dy)
+        ref = xla_value_and_grad(valid_over_padded, z, dy)
     before = _fused_count()
     with tf_relupool.recompute():
-        got = _step(pool)(z, dy)
+        got = xla_value_and_grad(pool, z, dy)
     assert _fused_count() == before + 1
     where = f"{act} {shape} k={k} s={s} {padding} {data_format} {dtype.name} scale={scale}"
     assert_bitwise_equal(got[0], ref[0], f"forward {where}")
@@ -118,20 +108,9 @@ def test_backward_reads_the_codes_and_the_pooled_output_only(act):
     keeps anyway), no tensor of z's size (stock keeps f(z), and for LeakyRelu z)."""
     shape = [2, 8, 8, 3]
     f = ACTIVATIONS[act]
-    found = []
-
-    def step(z):
-        with tf.GradientTape() as tape:
-            tape.watch(z)
-            y = tf.nn.max_pool2d(f(z), 2, 2, "VALID")
-        graph = tf.compat.v1.get_default_graph()
-        forward = set(graph.get_operations())
-        dz = tape.gradient(y, z, output_gradients=tf.ones_like(y))
-        found.extend({t.ref(): t for op in graph.get_operations() if op not in forward
-                      for t in op.inputs if t.op in forward and t.op.type != "Const"}.values())
-        return dz
     with tf_relupool.recompute():
-        tf.function(step, jit_compile=True).get_concrete_function(tf.TensorSpec(shape))
+        found = forward_tensors_the_backward_reads(
+            lambda z: tf.nn.max_pool2d(f(z), 2, 2, "VALID"), shape)
     shapes = {(t.dtype, tuple(t.shape)) for t in found}
     assert (tf.uint8, (2, 4, 4, 3)) in shapes, shapes
     assert all(tuple(t.shape) != tuple(shape) for t in found
@@ -172,17 +151,6 @@ def test_other_activations_do_not_fuse_and_say_why(make, word):
     assert word in pair["reason"], pair
 
 
-def _train_step_results(model, x, labels):
-    """Loss and gradients of one step, inside XLA."""
-    @tf.function(jit_compile=True)
-    def step(x, labels):
-        with tf.GradientTape() as tape:
-            loss = tf.reduce_mean(keras.losses.sparse_categorical_crossentropy(
-                labels, model(x, training=True), from_logits=True))
-        return loss, tape.gradient(loss, model.trainable_variables)
-    return step(x, labels)
-
-
 def _bitwise_steps(build, x, labels, expect_fused):
     """The convolution before the pool has no bias: the sum of dz that a bias gradient is adds in
     the order XLA fuses it, stock's own bits included (docs/xla.md, "What XLA fuses into dz's
@@ -190,10 +158,10 @@ def _bitwise_steps(build, x, labels, expect_fused):
     keras.utils.set_random_seed(0)
     model = build()
     tf_relupool.disable_recompute()
-    ref = _train_step_results(model, x, labels)
+    ref = xla_train_step(model, x, labels)[1]
     before = keras_fusion.stats()["fused"]
     with tf_relupool.recompute():
-        got = _train_step_results(model, x, labels)
+        got = xla_train_step(model, x, labels)[1]
     assert keras_fusion.stats()["fused"] - before == expect_fused
     assert_bitwise_equal(got[0], ref[0], "loss")
     for v, a, b in zip(model.trainable_variables, got[1], ref[1]):
@@ -251,10 +219,10 @@ def test_after_batch_norm(activation, activations):
     keras.utils.set_random_seed(0)
     model = build()
     tf_relupool.disable_recompute()
-    ref = _train_step_results(model, x, tf.constant([0, 2]))
+    ref = xla_train_step(model, x, tf.constant([0, 2]))[1]
     before = _fused_count()
     with tf_relupool.recompute(activations=activations):
-        got = _train_step_results(model, x, tf.constant([0, 2]))
+        got = xla_train_step(model, x, tf.constant([0, 2]))[1]
     assert _fused_count() == before + 1
     assert_bitwise_equal(got[0], ref[0], "loss")
     for v, a, b in zip(model.trainable_variables, got[1], ref[1]):
@@ -300,17 +268,17 @@ def test_3d_pool_bitwise_as_stock(act, n, d, h, w, c, k, s, padding, dtype, seed
     dy = _ties(rng, (n, *(x[-1] for x in dims), c), dtype, 0.25) * tf.constant(-1.0, dtype)
     tf_relupool.disable_recompute()
     if padding == "valid":
-        ref = _step(pool)(z, dy)
+        ref = xla_value_and_grad(pool, z, dy)
     else:
         pads = [[0, 0]] + [[x[3], x[4]] for x in dims] + [[0, 0]]
 
         def valid_over_padded(t):
             a = tf.pad(f(t), pads, constant_values=tf.constant(-np.inf, dtype))
             return keras.ops.max_pool(a, k, s, "valid")
-        ref = _step(valid_over_padded)(z, dy)
+        ref = xla_value_and_grad(valid_over_padded, z, dy)
     before = keras_fusion.stats()["fused"]
     with tf_relupool.recompute():
-        got = _step(pool)(z, dy)
+        got = xla_value_and_grad(pool, z, dy)
     assert keras_fusion.stats()["fused"] == before + 1
     where = f"{act} {z.shape} k={k} s={s} {padding} {dtype.name}"
     assert_bitwise_equal(got[0], ref[0], f"forward {where}")

@@ -21,7 +21,8 @@ from hypothesis import strategies as st
 import tf_relupool
 from tf_relupool import _versions, gradient_sources, keras_fusion, xla
 from conftest import (DTYPES, GPU_VISIBLE, assert_bitwise_equal, derivatives,
-                      forward_and_input_grad, xla_hlo)
+                      forward_and_input_grad, forward_tensors_the_backward_reads,
+                      xla_hlo, xla_train_step, xla_value_and_grad)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -51,16 +52,6 @@ def _value_and_grads(fn, z, dy, v, jit_compile=True):
     def run(z, dy, v):
         return derivatives(fn, z, dy, v)
     return (run if jit_compile is None else tf.function(run, jit_compile=True))(z, dy, v)
-
-
-def _value_and_grad(fn, z, dy):
-    @tf.function(jit_compile=True)
-    def run(z, dy):
-        with tf.GradientTape() as tape:
-            tape.watch(z)
-            y = fn(z)
-        return y, tape.gradient(y, z, output_gradients=dy)
-    return run(z, dy)
 
 
 def _pool_dims(shape, k, s, padding, data_format):
@@ -176,7 +167,7 @@ def test_bitwise_equal_to_definition_and_to_stock_under_xla(n, h, w, c, k, s, pa
     where = f"({shape}, k={k}, s={s}, {padding}, {data_format}, {dtype.name})"
     z = _data(rng, shape, dtype)
     y, dz, ddy = _value_and_grads(fused, z, dy, v)
-    y_stock, dz_stock = _value_and_grad(stock, z, dy)
+    y_stock, dz_stock = xla_value_and_grad(stock, z, dy)
     assert_bitwise_equal(y, y_stock, f"forward {where}")
     if not GPU_VISIBLE:   # (XLA's GPU backend: benchmarks/xla_bitwise.py)
         y_ref, has_nan = _forward_reference(z, k, s, padding, data_format)
@@ -198,7 +189,7 @@ def test_bitwise_equal_to_definition_and_to_stock_under_xla(n, h, w, c, k, s, pa
         size = int(np.prod(shape))
         distinct = rng.permutation(size).astype(np.float64) - size // 3
         z = tf.constant(distinct.reshape(shape), dtype)
-        got, ref = _value_and_grad(fused, z, dy)[1], _value_and_grad(stock, z, dy)[1]
+        got, ref = xla_value_and_grad(fused, z, dy)[1], xla_value_and_grad(stock, z, dy)[1]
         if int(np.prod(out_shape)) == 1:  # stock XLA passes a -0 in dy through (docs/xla.md)
             got, ref = _positive_zero(got), _positive_zero(ref)
         assert_bitwise_equal(got, ref, f"gradient vs stock, distinct values {where}")
@@ -216,8 +207,8 @@ def test_stock_xla_cpu_same_padding_ties():
     def stock(t):
         return tf.nn.max_pool2d(tf.nn.relu(t), 2, 1, "SAME")
     eager = _value_and_grads(stock, z, dy, tf.zeros_like(z), jit_compile=None)[1]
-    fused = _value_and_grad(lambda t: tf_relupool.relu_max_pool2d(t, 2, 1, "SAME"), z, dy)[1]
-    stock_xla = _value_and_grad(stock, z, dy)[1]
+    fused = xla_value_and_grad(lambda t: tf_relupool.relu_max_pool2d(t, 2, 1, "SAME"), z, dy)[1]
+    stock_xla = xla_value_and_grad(stock, z, dy)[1]
     assert_bitwise_equal(fused, eager)
     np.testing.assert_array_equal(eager.numpy()[0, :2, :2, 0], [[0, 1], [0, 0]])
     if tf.config.list_physical_devices("GPU"):
@@ -250,13 +241,13 @@ def test_stock_xla_cpu_same_padding_tie_in_a_googlenet_stem_pool():
     np.testing.assert_array_equal(eager.numpy()[0, :, :, 0], row_major)
     before = keras_fusion.stats()["fused"]
     with tf_relupool.recompute():
-        switch = _value_and_grad(lambda t: pool(relu(t)), z, dy)[1]
+        switch = xla_value_and_grad(lambda t: pool(relu(t)), z, dy)[1]
     assert keras_fusion.stats()["fused"] == before + 1
-    fused = _value_and_grad(lambda t: tf_relupool.relu_max_pool2d(t, 3, 2, "SAME"), z, dy)[1]
+    fused = xla_value_and_grad(lambda t: tf_relupool.relu_max_pool2d(t, 3, 2, "SAME"), z, dy)[1]
     assert_bitwise_equal(switch, eager, "switch (Keras layers, XLA)")
     assert_bitwise_equal(fused, eager, "relu_max_pool2d (XLA)")
-    stock_xla = _value_and_grad(keras_stock, z, dy)[1]
-    assert_bitwise_equal(stock_xla, _value_and_grad(
+    stock_xla = xla_value_and_grad(keras_stock, z, dy)[1]
+    assert_bitwise_equal(stock_xla, xla_value_and_grad(
         lambda t: tf.nn.max_pool2d(tf.nn.relu(t), 3, 2, "SAME"), z, dy)[1], "Keras vs tf.nn")
     if GPU_VISIBLE:
         return  # (benchmarks/xla_ties.py prints what XLA's GPU backend does)
@@ -305,33 +296,15 @@ def _graph_op_types(fn, *specs):
 _grad_fn = forward_and_input_grad
 
 
-def _forward_tensors_the_backward_reads(fn, shape):
-    """The non-constant tensors of the forward pass that ops of the backward pass read."""
-    found = []
-
-    def step(z):
-        with tf.GradientTape() as tape:
-            tape.watch(z)
-            y = fn(z)
-        graph = tf.compat.v1.get_default_graph()
-        forward = set(graph.get_operations())
-        dz = tape.gradient(y, z, output_gradients=tf.ones_like(y))
-        found.extend({t.ref(): t for op in graph.get_operations() if op not in forward
-                      for t in op.inputs if t.op in forward and t.op.type != "Const"}.values())
-        return dz
-    tf.function(step, jit_compile=True).get_concrete_function(tf.TensorSpec(shape))
-    return found
-
-
 @pytest.mark.parametrize("k,s,padding", [(2, 2, "VALID"), (3, 2, "SAME"), (3, 1, "VALID")])
 def test_backward_reads_only_the_codes(k, s, padding):
     """Between forward and backward the XLA form keeps the uint8 codes, neither z nor relu(z)
     (stock keeps relu(z), a float tensor of z's size, for MaxPoolGrad and ReluGrad)."""
     shape = [4, 9, 9, 3]
-    fused = _forward_tensors_the_backward_reads(
+    fused = forward_tensors_the_backward_reads(
         lambda z: tf_relupool.relu_max_pool2d(z, k, s, padding), shape)
     assert fused and {t.dtype for t in fused} == {tf.uint8}, fused
-    stock = _forward_tensors_the_backward_reads(
+    stock = forward_tensors_the_backward_reads(
         lambda z: tf.nn.max_pool2d(tf.nn.relu(z), k, s, padding), shape)
     assert any(t.dtype == tf.float32 and t.shape == shape for t in stock), stock
 
@@ -387,13 +360,13 @@ def test_large_windows_clipped_to_the_input_run_the_xla_form_bitwise(shape, k, s
     oh, ow = _pool_dims(shape, kk, (s, s), padding, "NHWC")
     dy = _data(rng, (shape[0], oh, ow, shape[3]), tf.float32, special=False)
     z = _data(rng, shape, tf.float32, special=False)
-    dz = _value_and_grad(lambda t: tf_relupool.relu_max_pool2d(t, list(kk), s, padding), z, dy)[1]
+    dz = xla_value_and_grad(lambda t: tf_relupool.relu_max_pool2d(t, list(kk), s, padding), z, dy)[1]
     dz_ref, _ = _reference(z, dy, tf.zeros_like(z), kk, (s, s), padding, "NHWC")
     assert_bitwise_equal(dz, dz_ref, "gradient vs definition")
     size = int(np.prod(shape))
     z = tf.constant((rng.permutation(size) - size // 3).reshape(shape), tf.float32)
-    got = _value_and_grad(lambda t: tf_relupool.relu_max_pool2d(t, list(kk), s, padding), z, dy)
-    ref = _value_and_grad(lambda t: tf.nn.max_pool2d(tf.nn.relu(t), list(kk), s, padding), z, dy)
+    got = xla_value_and_grad(lambda t: tf_relupool.relu_max_pool2d(t, list(kk), s, padding), z, dy)
+    ref = xla_value_and_grad(lambda t: tf.nn.max_pool2d(tf.nn.relu(t), list(kk), s, padding), z, dy)
     for a, b in zip(got, ref):
         assert_bitwise_equal(a, b)
 
@@ -484,17 +457,6 @@ def _stem_model(pad, data_format="channels_last", pool=(3, 2, "same")):
     return keras.Model(inputs, keras.layers.Dense(3)(x))
 
 
-def _xla_step(model, x, y):
-    loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-
-    @tf.function(jit_compile=True)
-    def step(x, y):
-        with tf.GradientTape() as tape:
-            loss = loss_fn(y, model(x, training=True))
-        return loss, tape.gradient(loss, model.trainable_variables)
-    return step, step(x, y)
-
-
 @pytest.mark.parametrize("pad,data_format,pool", [
     (False, "channels_last", (2, 2, "valid")), (False, "channels_first", (3, 2, "same")),
     (True, "channels_last", (3, 2, "valid")), (True, "channels_first", (2, 1, "valid"))])
@@ -504,12 +466,12 @@ def test_switch_fuses_stock_keras_layers_inside_xla_bitwise(pad, data_format, po
     y = tf.constant([0, 1, 2, 1])
     keras.utils.set_random_seed(1)
     model = _stem_model(pad, data_format, pool)
-    step, (loss_ref, grads_ref) = _xla_step(model, x, y)
+    step, (loss_ref, grads_ref) = xla_train_step(model, x, y)
     stock_types = {op.type for op in step.get_concrete_function(x, y).graph.get_operations()}
     assert "ReluGrad" in stock_types
     before = keras_fusion.stats()
     with tf_relupool.recompute():
-        step, (loss, grads) = _xla_step(model, x, y)
+        step, (loss, grads) = xla_train_step(model, x, y)
         types = {op.type for op in step.get_concrete_function(x, y).graph.get_operations()}
     after = keras_fusion.stats()
     assert after["fused"] == before["fused"] + 1
@@ -530,9 +492,9 @@ def test_relu_with_another_consumer_still_exact():
     model = keras.Model(inputs, keras.layers.Dense(3)(keras.layers.Concatenate()([a, b])))
     x = tf.random.stateless_normal((4, 10, 10, 3), seed=[7, 8])
     y = tf.constant([0, 1, 2, 0])
-    _, (loss_ref, grads_ref) = _xla_step(model, x, y)
+    _, (loss_ref, grads_ref) = xla_train_step(model, x, y)
     with tf_relupool.recompute():
-        _, (loss, grads) = _xla_step(model, x, y)
+        _, (loss, grads) = xla_train_step(model, x, y)
     assert_bitwise_equal(loss, loss_ref)
     declared = _versions.OLDEST_TESTED <= _versions.minor(tf.__version__) <= \
         _versions.NEWEST_TESTED

@@ -58,20 +58,24 @@ class Hooks:
 
     def probe(self, key, paths, what):
         """Traces each path's function at its TensorSpec inside tf.function(jit_compile=True)
-        (no compilation) and warns once, naming the paths whose `reached()` is then False or
-        whose trace failed. `paths`: {name: (fn, spec, reached)}; a `key` that passed is not
-        probed again. `what`: what the warning says runs stock's ops instead."""
+        (no compilation; paths sharing a function trace it once) and warns once, naming the
+        paths whose `reached()` is then False or whose trace failed. `paths`: {name: (fn, spec,
+        reached)}; a `key` that passed is not probed again. `what`: what the warning says runs
+        stock's ops instead."""
         import tensorflow as tf
         if key in self._probed:
             return
-        missing = []
+        missing, errors = [], {}  # errors: {id(fn): the trace's exception, or None}
         for name, (fn, spec, reached) in paths.items():
-            try:
-                tf.function(fn, jit_compile=True, autograph=False).get_concrete_function(spec)
-            except Exception as e:  # noqa: BLE001 - a probe must not break enable_recompute()
-                missing.append(f"{name} (the probe failed: {e})")
-                continue
-            if not reached():
+            if id(fn) not in errors:
+                try:
+                    tf.function(fn, jit_compile=True, autograph=False).get_concrete_function(spec)
+                    errors[id(fn)] = None
+                except Exception as e:  # noqa: BLE001 - a probe must not break enable_recompute()
+                    errors[id(fn)] = e
+            if errors[id(fn)] is not None:
+                missing.append(f"{name} (the probe failed: {errors[id(fn)]})")
+            elif not reached():
                 missing.append(name)
         if missing:
             logger.warning(

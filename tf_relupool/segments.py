@@ -169,8 +169,7 @@ def _check_dispatch():
     conv2 = layers.Conv2D(2, 1, name="tf_relupool_probe_conv2", **kw)
     counts = {}
 
-    def block(x):
-        counts.clear()
+    def block(x):  # traced once for both paths (Hooks.probe)
         before = collections.Counter(_stats)
         out = conv2(relu(bn(conv1(x), training=True)))
         counts.update(segments=_stats["segments"] - before["segments"],
