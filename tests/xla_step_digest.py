@@ -3,12 +3,14 @@ and prints `RESULT {json}`: each variant's digest of both steps' losses and grad
 every weight after them, and segments.stats(). A subprocess of the tests (conftest's
 xla_temp_and_digest), so that XLA reads the dump flags the test sets.
 
-    python xla_step_digest.py MODEL SIZE BATCH VARIANTS HEAD
+    python xla_step_digest.py MODEL SIZE BATCH VARIANTS HEAD [DEVICE]
 
 MODEL: an example model of tf_relupool._example_models ("resnet") or a keras.applications name;
 VARIANTS: comma-separated stock (switch off), switch (enable_recompute()), product
 (enable_recompute(activations=True)); HEAD: "softmax" (1000 classes, probabilities) or
-"logits" (10 classes). Each variant's step function is named digest_step_<variant>.
+"logits" (10 classes); DEVICE: "cpu" (default: the GPU hidden) or "gpu" (the GPU run of
+scripts/gpu_segments.sh, in XLA's deterministic mode). Each variant's step function is named
+digest_step_<variant>.
 """
 import hashlib
 import json
@@ -23,7 +25,11 @@ from tf_relupool import _example_models, segments
 
 name, size, batch, variants, head = (sys.argv[1], int(sys.argv[2]), int(sys.argv[3]),
                                      sys.argv[4].split(","), sys.argv[5])
-tf.config.set_visible_devices([], "GPU")
+device = sys.argv[6] if len(sys.argv) > 6 else "cpu"
+if device == "cpu":
+    tf.config.set_visible_devices([], "GPU")
+elif not tf.config.list_physical_devices("GPU"):
+    raise SystemExit("DEVICE gpu: no GPU visible")
 keras.utils.set_random_seed(0)
 logits = head == "logits" or hasattr(_example_models, name)
 if hasattr(_example_models, name):
@@ -64,4 +70,5 @@ for variant in variants:
         digest.update(w.numpy().tobytes())
     result[variant] = digest.hexdigest()
 result["stats"] = segments.stats()
+result["device"] = device
 print("RESULT " + json.dumps(result))
