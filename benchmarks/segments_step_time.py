@@ -117,7 +117,8 @@ def peak_by_layer(hlo_path, buffers_path):
     """[(layer, what, buffer, bytes)] of the buffers live at the peak of a buffer assignment:
     the Keras layer of the instruction that made each (or of its first operand's maker, for an
     instruction without metadata) and what it is: "conv output", "elementwise (forward)" (any
-    other forward-made buffer) or "backward" (made by a gradient)."""
+    other forward-made buffer) or "backward" (made by a gradient, or an AddN summing
+    gradients)."""
     instrs = _instructions(hlo_path)
     meta = {}
     for name, _, opcode, rest, operands in instrs:
@@ -145,7 +146,7 @@ def peak_by_layer(hlo_path, buffers_path):
                 name = m.group(1)
                 op_name = origin(name)
                 opcode, rest = meta.get(name, (None, "?", "", ()))[1:3]
-                if "gradient_tape" in op_name:
+                if "gradient_tape" in op_name or _layer(op_name).startswith("AddN"):
                     what = "backward"
                 elif _kind(opcode, rest) in ("cudnn conv", "convolution"):
                     what = "conv output"
