@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 SOURCES := setup.py $(shell find cc tf_relupool -name '*.cc' -o -name '*.h' -o -name '*.cu' -o -name '*.py' 2>/dev/null)
 export TF_CPP_MIN_LOG_LEVEL ?= 2
 
-.PHONY: all install demo test test-slow test-compat bench clean
+.PHONY: all install demo test test-slow test-compat bench clean wheel test-wheel test-legacy-keras
 
 all: install
 
@@ -31,9 +31,12 @@ install: $(VENV)/.installed
 # (--xla_cpu_max_isa=AVX2), the op library's CPU kernels on their AVX2 path (TF_RELUPOOL_CPU_ISA),
 # so that neither a result nor a test that holds only on an AVX-512 machine with oneDNN can land. Left out of that pass: modules that read no kernel's or XLA's
 # bits (the loader, versions, the compat names and the hook layer, GPU-only ones) and test_examples.py's minutes-long trainings
-# (test_keras_integration.py, test_bn_relu.py and test_segments.py cover bitwise training there).
+# (test_keras_integration.py, test_bn_relu.py and test_segments.py cover bitwise training there),
+# the no-compiler install (the same Python code as the full package's, whose XLA tests run in
+# that pass) and test_legacy_keras.py (skipped without tf-keras; make test-legacy-keras).
 CPU_INDEPENDENT ?= tests/test_loader.py tests/test_versions.py tests/test_gpu.py \
-	tests/test_gpu_build.py tests/test_examples.py tests/test_compat.py tests/test_hooks.py
+	tests/test_gpu_build.py tests/test_examples.py tests/test_compat.py tests/test_hooks.py \
+	tests/test_no_compiler.py tests/test_legacy_keras.py
 STOCK_TESTS ?= $(filter-out $(CPU_INDEPENDENT),$(sort $(wildcard tests/test_*.py)))
 AVX2_ENV := TF_ENABLE_ONEDNN_OPTS=0 XLA_FLAGS="$$XLA_FLAGS --xla_cpu_max_isa=AVX2" TF_RELUPOOL_CPU_ISA=avx2
 
@@ -46,6 +49,19 @@ test: install
 TF_VERSIONS ?=
 test-compat:
 	scripts/test_compat.sh $(TF_VERSIONS)
+
+# A binary wheel (the op library built for the venv's TensorFlow, CUDA kernels where nvcc is
+# found, metadata pinning that TensorFlow's minor version, a manylinux tag from auditwheel) in
+# dist/; test-wheel installs it into a fresh venv with no compiler reachable and runs the smoke
+# subset; test-legacy-keras installs it beside tf-keras (TF_USE_LEGACY_KERAS=1). scripts/wheel.sh.
+wheel: $(VENV)/.deps
+	scripts/wheel.sh build
+
+test-wheel: wheel
+	scripts/wheel.sh test
+
+test-legacy-keras: wheel
+	scripts/wheel.sh legacy-keras
 
 test-slow: install
 	$(VENV)/bin/pytest -q -m slow tests

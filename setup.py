@@ -21,6 +21,14 @@ primary context); the price is a driver that supports the nvcc's CUDA version (>
 13). On an older driver the GPU ops fail with the CUDA error text; CPU kernels are unaffected and
 the library loads on machines without a GPU or driver. cuDNN is not linked: the cuDNN path dlopens
 libcudnn.so.9 on first use (TensorFlow has normally loaded it already).
+
+Without a C++ compiler (CXX, default g++, not found) or with TF_RELUPOOL_BUILD=0, the op library
+is not built: the pure-Python package is installed, whose XLA routes (the switch at Keras'
+default compile on a GPU, `jit_compile=True`, the activation recomputation) need no library;
+every route that does raises tf_relupool.OpLibraryError with the command that builds it.
+
+With the library built, install_requires pins the TensorFlow minor version it was compiled
+against (a binary wheel, `make wheel`, loads into that TensorFlow only).
 """
 import json
 import os
@@ -61,6 +69,19 @@ def find_nvcc():
                 (home / "lib64" / "libcudart_static.a").is_file():
             return c
     return None
+
+BUILD_ENV_VAR = "TF_RELUPOOL_BUILD"
+
+
+def why_not_built():
+    """Why the op library is not built here (TF_RELUPOOL_BUILD=0, no C++ compiler), or None."""
+    if os.environ.get(BUILD_ENV_VAR, "").strip().lower() in ("0", "false", "no", "off"):
+        return f"{BUILD_ENV_VAR}=0"
+    cxx = os.environ.get("CXX", "g++")
+    if not cxx.strip() or not shutil.which(cxx.split()[0]):
+        return f"no C++ compiler (CXX={cxx!r} not found)"
+    return None
+
 
 _TF_QUERY = (
     "import json, tensorflow as tf; print(json.dumps({'version': tf.__version__, "
@@ -165,9 +186,23 @@ class BuildOpLibrary(build_ext):
 _VERSIONS = {}
 exec((Path(__file__).resolve().parent / "tf_relupool" / "_versions.py").read_text(), _VERSIONS)
 
+_NOT_BUILT = why_not_built()
+_REQUIREMENTS = _VERSIONS["requirements"]()
+if _NOT_BUILT:
+    print(f"tf_relupool: {_NOT_BUILT}: installing the pure-Python package without the op library "
+          "(the XLA routes work; the op and layer outside XLA, the Grappler pass and SavedModels "
+          "holding fused ops raise tf_relupool.OpLibraryError). docs/install.md.",
+          file=sys.stderr, flush=True)
+else:
+    # The library loads into the TensorFlow it was compiled against only: pin its minor version.
+    _tf = tensorflow_build_flags()["version"]
+    _REQUIREMENTS = [f"tensorflow=={_VERSIONS['minor_pin'](_tf)}"] + [
+        r for r in _REQUIREMENTS if not r.startswith("tensorflow")]
+
 setup(
     version=_VERSIONS["VERSION"],
-    install_requires=_VERSIONS["requirements"](),
-    ext_modules=[Extension("tf_relupool._relu_max_pool_ops", sources=CPU_SOURCES)],
-    cmdclass={"build_ext": BuildOpLibrary},
+    install_requires=_REQUIREMENTS,
+    ext_modules=[] if _NOT_BUILT else [
+        Extension("tf_relupool._relu_max_pool_ops", sources=CPU_SOURCES)],
+    cmdclass={} if _NOT_BUILT else {"build_ext": BuildOpLibrary},
 )

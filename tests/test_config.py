@@ -189,3 +189,20 @@ def test_python_copies_of_state_h_enums():
     # the same words (Python's "calls_switch_off" is kCallsOff)
     assert [s.lower() for s in stats[:-1]] == [
         "k" + n.replace("_switch_off", "_off").replace("_", "") for n in _clib.STAT_NAMES]
+
+
+def test_legacy_tf_keras_warns_once_per_process(monkeypatch):
+    """Where tf.keras is Keras 2 (TF_USE_LEGACY_KERAS, tf_keras: tests/test_legacy_keras.py runs
+    it for real), turning the switch on warns once what works there; never with it unset."""
+    monkeypatch.setattr(config, "_legacy_warned", [])
+    monkeypatch.setenv("TF_USE_LEGACY_KERAS", "0")
+    assert not config.legacy_tf_keras()
+    monkeypatch.setattr(config, "legacy_tf_keras", lambda: True)
+    with pytest.warns(RuntimeWarning, match="TF_USE_LEGACY_KERAS") as record:
+        tf_relupool.enable_recompute()
+        tf_relupool.disable_recompute()  # off: no warning
+        with tf_relupool.recompute("input", activations=True):
+            pass
+    warned = [w for w in record if str(w.message) == config.LEGACY_KERAS_WARNING]
+    assert len(warned) == 1
+    assert warned[0].filename == __file__  # points at the caller of enable_recompute()

@@ -126,13 +126,15 @@ def test_backward_reads_the_codes_and_the_pooled_output_only(act):
     (lambda: keras.layers.Activation("tanh"), "BatchNormalization"),
     (lambda: keras.layers.Activation("sigmoid"), "BatchNormalization"),
     (lambda: keras.layers.ELU(), "BatchNormalization"),
-    (lambda: keras.layers.Activation("selu"), "BatchNormalization")],
+    (lambda: keras.layers.Activation("selu"), "BatchNormalization"),
+    (lambda: keras.layers.Activation("hard_sigmoid"), "RealDiv")],
     ids=["swish", "gelu", "softplus", "relu_max4", "leaky_negative", "tanh", "sigmoid", "elu",
-         "selu"])
+         "selu", "hard_sigmoid"])
 def test_other_activations_do_not_fuse_and_say_why(make, word):
     """swish and GELU are not monotone; softplus and ReLU(max_value=4.) are, but their stock
     gradient reads what the pooled output does not give; leaky ReLU with a negative slope is not
-    monotone; tanh, sigmoid, ELU and SELU are not bitwise after BatchNormalization (xla.MONOTONE).
+    monotone; tanh, sigmoid, ELU and SELU are not bitwise after BatchNormalization (xla.MONOTONE);
+    hard sigmoid is Keras' relu6(x + 3) / 6, whose last op (a division) is no MONOTONE row.
     Each runs stock's pool, with its reason in fusion_report."""
     try:
         layer = make()

@@ -27,8 +27,9 @@ STAT_NAMES = ("calls", "calls_switch_off", "graphs_rewritten", "fused_with_grad"
 _lib = None  # the ctypes handle, once opened
 
 
-class GrapplerUnavailable(RuntimeError):
-    """The graph optimizer could not be registered (see the message)."""
+class GrapplerUnavailable(_loader.OpLibraryError):
+    """The graph optimizer could not be registered (see the message): an OpLibraryError, as
+    every route that needs the op library raises one."""
 
 
 def library_path():

@@ -74,8 +74,10 @@ def _load(path):
     running = tf.__version__
     if not os.path.exists(path):
         raise OpLibraryError(
-            f"tf_relupool's op library {path} does not exist: the package was not built. "
-            f"Build it for TensorFlow {running} with: {REBUILD_COMMAND}")
+            f"tf_relupool's op library {path} does not exist: the package was installed "
+            "without it (no C++ compiler at install time, or TF_RELUPOOL_BUILD=0), so only its "
+            "XLA routes work (Keras' default compile on a GPU, jit_compile=True). Build it for "
+            f"TensorFlow {running} (a C++ compiler needed) with: {REBUILD_COMMAND}")
     if not os.access(path, os.R_OK):
         raise OpLibraryError(
             f"tf_relupool's op library {path} is not readable by this user; fix its permissions "

@@ -25,6 +25,14 @@ def requirements():
             f"keras>={_dotted(KERAS_MIN)},<{_dotted(keras_below)}", "numpy"]
 
 
+def minor_pin(version):
+    """'2.21.0' -> '2.21.*': the TensorFlow a built op library loads into (setup.py pins it)."""
+    found = minor(version)
+    if found is None:
+        raise ValueError(f"not a TensorFlow version: {version!r}")
+    return _dotted(found) + ".*"
+
+
 def _dotted(version):
     """(3, 10) -> '3.10'."""
     return ".".join(map(str, version))

@@ -33,8 +33,10 @@ The switch is process-global (not per thread) so that replica threads of a
 ``tf.distribute`` strategy see the same value as the thread that set it.
 """
 import contextlib
+import importlib.util
 import logging
 import os
+import sys
 import threading
 import warnings
 
@@ -42,6 +44,7 @@ from tf_relupool import _state, autotune_cache, grappler, keras_fusion, segments
 from tf_relupool._state import KEEP_ARGMAX, KEEP_INPUT
 
 ENV_VAR = "TF_RELUPOOL_RECOMPUTE"
+LEGACY_KERAS_VAR = "TF_USE_LEGACY_KERAS"  # TensorFlow's: tf.keras is then tf_keras (Keras 2)
 _OFF_WORDS = ("0", "off", "false", "no", "none", "")
 _ARGMAX_WORDS = ("1", "on", "true", "yes", KEEP_ARGMAX)
 
@@ -91,7 +94,9 @@ def enable_recompute(keep=KEEP_ARGMAX, activations=False, bn_relu=None):
     Takes effect for functions traced afterwards (compile/fit a model after calling it; a model
     compiled before needs `model.compile(...)` again, a `tf.function` traced before a new
     `tf.function` object). Under XLA, warns if Keras' or TensorFlow's max pooling does not
-    reach tf_relupool's wrappers (a probe traces a tiny ReLU + max pool; docs/xla.md).
+    reach tf_relupool's wrappers (a probe traces a tiny ReLU + max pool; docs/xla.md). Where
+    tf.keras is Keras 2 (TF_USE_LEGACY_KERAS with tf-keras), warns once per process that only
+    the Grappler route sees tf.keras models (docs/keras.md).
 
     Raises:
       ValueError: `keep` is not "argmax" or "input", or `activations` (`bn_relu`) is not a
@@ -161,7 +166,46 @@ def _set(keep, activations=False, at_import=False):
         _state.set_mode(keep)
         _state.set_activations(keep is not None and activations)
         _notify_routes(at_import)
+    if keep is not None:
+        _warn_legacy_keras()  # outside the lock: a warnings filter may make it raise
     return previous
+
+
+def legacy_tf_keras():
+    """Whether tf.keras is Keras 2 in this process: TF_USE_LEGACY_KERAS has one of the values
+    TensorFlow's tf.keras loader takes ("1", "true", "True") and tf_keras is installed (or
+    imported)."""
+    if os.environ.get(LEGACY_KERAS_VAR) not in ("1", "true", "True"):
+        return False
+    if "tf_keras" in sys.modules:
+        return True
+    try:
+        return importlib.util.find_spec("tf_keras") is not None
+    except (ImportError, ValueError):
+        return False
+
+
+LEGACY_KERAS_WARNING = (
+    "tf_relupool: TF_USE_LEGACY_KERAS is set, so tf.keras is Keras 2 (tf_keras). For tf.keras "
+    "models enable_recompute() fuses ReLU + max pooling only in the graph pass inside Grappler, "
+    "i.e. where TensorFlow runs the training step without XLA (tf.keras' default compile or "
+    "jit_compile=False). It does not fuse them inside XLA (tf.keras compile(jit_compile=True): "
+    "stock ops run there), activations=True recomputes nothing in tf.keras models, and "
+    "ReluMaxPool2D / rewrite_model take Keras 3 models only. Models built with `import keras` "
+    "(Keras 3) get every route as usual. See docs/keras.md, \"tf.keras (Keras 2, "
+    "TF_USE_LEGACY_KERAS=1)\".")
+_legacy_warned = []  # one entry once the warning has been given (once per process)
+
+
+def _warn_legacy_keras():
+    """Warns once per process, when the switch turns on while tf.keras is Keras 2 (tf_keras),
+    what the switch does there and what not: the Keras 3 hooks (trace-time fusion under XLA,
+    activations, the layer) never see a tf_keras model (docs/keras.md)."""
+    if _legacy_warned or not legacy_tf_keras():
+        return
+    _legacy_warned.append(True)
+    # stacklevel 4: the caller of enable_recompute() (-> _set -> here)
+    warnings.warn(LEGACY_KERAS_WARNING, RuntimeWarning, stacklevel=4)
 
 
 def _notify_routes(at_import=False):

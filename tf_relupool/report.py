@@ -22,10 +22,14 @@ With `activations=True` the XLA trace also runs `enable_recompute(activations=Tr
 every segment (tf_relupool/segments.py): recomputed, or why it took stock's route, and for a
 recomputed one the bytes of its output, which stock keeps for the next layer's gradient (an
 upper bound of what XLA frees: it may keep a copy of its own).
+
+Routes available: the XLA route needs no op library; the graph pass does. Where the library is
+missing (a no-compiler install, docs/install.md) the report says so on its first line, and the
+"grappler" route lists no pairs.
 """
 import collections
 
-from tf_relupool import _state
+from tf_relupool import _loader, _state
 
 Pair = collections.namedtuple("Pair", "route where fused reason bytes_saved")
 
@@ -33,11 +37,18 @@ Pair = collections.namedtuple("Pair", "route where fused reason bytes_saved")
 class FusionReport:
     """The decisions of fusion_report (`pairs`: a list of dicts; str(): a Markdown table)."""
 
-    def __init__(self, pairs, batch_size, routes=("xla", "grappler"), segments=None):
+    def __init__(self, pairs, batch_size, routes=("xla", "grappler"), segments=None,
+                 unavailable=None):
         self.pairs = pairs
         self.batch_size = batch_size
         self.routes = tuple(routes)
         self.segments = segments  # None, or [dicts] with activations=True
+        #: {route: why it cannot run here} (the graph pass without the op library)
+        self.unavailable = dict(unavailable or {})
+
+    def available(self, route):
+        """Whether `route` ("xla", "grappler") can fuse in this installation."""
+        return route not in self.unavailable
 
     def fused(self, route):
         return [p for p in self.pairs if p["route"] == route and p["fused"]]
@@ -46,7 +57,10 @@ class FusionReport:
         return sum(p["bytes_saved"] or 0 for p in self.fused(route))
 
     def __str__(self):
-        lines = [f"Training step at batch {self.batch_size}:", "",
+        lines = ["Routes: " + "; ".join(
+                     f"{r}: " + ("unavailable (below)" if r in self.unavailable else "available")
+                     for r in ("xla", "grappler")),
+                 f"Training step at batch {self.batch_size}:", "",
                  "| route | where | fused | why not | saved per step |", "|---|---|---|---|---|"]
         for p in self.pairs:
             saved = "" if p["bytes_saved"] is None else f"{p['bytes_saved'] / 2 ** 20:.2f} MiB"
@@ -55,6 +69,9 @@ class FusionReport:
             lines.append(f"| {p['route']} | {p['where']} | {fused} | {p['reason'] or ''} | "
                          f"{saved} |")
         for route in self.routes:
+            if route in self.unavailable:
+                lines.append(f"\n{route}: unavailable, nothing fused: {self.unavailable[route]}")
+                continue
             lines.append(f"\n{route}: {len(self.fused(route))} of "
                          f"{sum(p['route'] == route for p in self.pairs)} ReLU + max-pool "
                          f"pair(s) fused, {self.bytes_saved(route) / 2 ** 20:.2f} MiB saved per "
@@ -238,9 +255,14 @@ def fusion_report(model, batch_size=32, routes=("xla", "grappler"), keep="argmax
                          f"are recomputed under XLA only), got routes={routes!r}")
     spec = _spec(model, batch_size)
     pairs, segment_rows = [], None
+    unavailable = {}
+    try:
+        _loader.load_library()
+    except _loader.OpLibraryError as e:
+        unavailable["grappler"] = str(e)
     if "xla" in routes:
         pairs, rows = _xla_pairs(model, spec, keep, activations)
         segment_rows = rows if activations else None
-    if "grappler" in routes:
+    if "grappler" in routes and "grappler" not in unavailable:
         pairs += _grappler_pairs(model, spec, keep)
-    return FusionReport(pairs, batch_size, routes, segment_rows)
+    return FusionReport(pairs, batch_size, routes, segment_rows, unavailable)

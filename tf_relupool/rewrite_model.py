@@ -321,7 +321,12 @@ def rewrite_model(model, keep=None):
     """
     keep = _state.check_keep(keep, allow_none=True)
     if not isinstance(model, keras.Model):
-        raise ValueError(f"rewrite_model takes a Keras model, got {type(model).__name__}")
+        legacy = type(model).__module__.startswith("tf_keras")
+        raise ValueError(
+            f"rewrite_model takes a Keras model (Keras 3), got {type(model).__module__}."
+            f"{type(model).__name__}" + (
+                " (tf.keras under TF_USE_LEGACY_KERAS is Keras 2; enable_recompute() fuses its "
+                "ReLU + max pooling without XLA: docs/keras.md)" if legacy else ""))
     rewriter = _Rewriter(keep)
     new = rewriter.rewrite(model)
     logger.info("rewrite_model: %s: %d ReLU + MaxPooling2D pair(s) fused (keep=%s, switch=%s)",
