@@ -194,10 +194,16 @@ if _NOT_BUILT:
           "holding fused ops raise tf_relupool.OpLibraryError). docs/install.md.",
           file=sys.stderr, flush=True)
 else:
-    # The library loads into the TensorFlow it was compiled against only: pin its minor version.
-    _tf = tensorflow_build_flags()["version"]
-    _REQUIREMENTS = [f"tensorflow=={_VERSIONS['minor_pin'](_tf)}"] + [
-        r for r in _REQUIREMENTS if not r.startswith("tensorflow")]
+    # The library loads into the TensorFlow it was compiled against only: pin its minor version
+    # (without a TensorFlow here, as for an sdist, the range stays; building the library then
+    # stops with tensorflow_build_flags' message).
+    try:
+        _tf = tensorflow_build_flags()["version"]
+    except SystemExit:
+        _tf = None
+    if _tf:
+        _REQUIREMENTS = [f"tensorflow=={_VERSIONS['minor_pin'](_tf)}"] + [
+            r for r in _REQUIREMENTS if not r.startswith("tensorflow")]
 
 setup(
     version=_VERSIONS["VERSION"],

@@ -97,6 +97,7 @@ def error(fn):
 out["layer"] = error(lambda: tf_relupool.ReluMaxPool2D()(tf.ones((1, 4, 4, 1))))
 out["op"] = error(lambda: tf_relupool.relu_max_pool2d(tf.ones((1, 4, 4, 1)), 2, 2, "VALID"))
 out["grappler"] = error(grappler.register)
+out["saved_model"] = error(lambda: tf_relupool.load_saved_model(os.getcwd()))
 print("RESULT " + json.dumps(out))
 """
 
@@ -115,7 +116,7 @@ def test_xla_routes_work_and_library_routes_raise(pure):
     # the routes that need the op library: OpLibraryError, naming what is missing and the command
     assert not out["grappler_available"]
     assert "grappler: unavailable" in out["report_head"]
-    for route in ("layer", "op", "grappler"):
+    for route in ("layer", "op", "grappler", "saved_model"):
         assert out[route] and "OpLibraryError" in out[route], (route, out[route])
         assert "installed without it" in out[route] and "pip install" in out[route], out[route]
 
