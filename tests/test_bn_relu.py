@@ -443,11 +443,11 @@ def _temp_sizes(model, size, batch, tmp_path):
 
 
 def test_example_resnet_temp_buffer_smaller_than_the_pool_switch_alone(tmp_path):
-    """The examples' ResNet-style CNN, 32x32, batch 32 (docs/bn_relu_recompute.md: stock
+    """The examples' ResNet-style CNN, 32x32, batch 32 (benchmarks/results/bn_relu_record_2026-12-04.md: stock
     68.6 MiB, the switch 39.3, with bn_relu 36.0 on the 2-core Xeon): the same bits as stock,
     the temp buffer below the switch's alone. TensorFlow 2.20's CPU XLA: the switch's bits
     (its stem differs from stock's there, docs/xla.md) and no saving beyond the switch's (59.6 MiB
-    both, stock 71.9; measured 2026-12-04, docs/bn_relu_recompute.md)."""
+    both, stock 71.9; measured 2026-12-04, benchmarks/results/bn_relu_record_2026-12-04.md)."""
     result, temps = _temp_sizes("resnet", 32, 32, tmp_path)
     assert result["product"] == result["switch"]
     assert result["recomputed"] == 6

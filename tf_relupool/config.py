@@ -82,7 +82,7 @@ def enable_recompute(keep=KEEP_ARGMAX, activations=False, bn_relu=None):
         Dense layer: ReLU in every form (relu6, leaky), ELU, SELU, swish, GELU, hard sigmoid,
         hard swish, sigmoid, tanh, softplus, mish (tf_relupool/segment_table.py). Stock's bits,
         less memory, some elementwise work more (tf_relupool/segments.py,
-        docs/bn_relu_recompute.md). Turn it on whenever the batch does not fit.
+        docs/activations.md). Turn it on whenever the batch does not fit.
       bn_relu: the name `activations` had when only BN + ReLU was covered; either turns it on.
 
     On a GPU it also points XLA at a persistent autotune cache, so that a later run at the same
