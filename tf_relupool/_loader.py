@@ -75,9 +75,10 @@ def _load(path):
     if not os.path.exists(path):
         raise OpLibraryError(
             f"tf_relupool's op library {path} does not exist: the package was installed "
-            "without it (no C++ compiler at install time, or TF_RELUPOOL_BUILD=0), so only its "
-            "XLA routes work (Keras' default compile on a GPU, jit_compile=True). Build it for "
-            f"TensorFlow {running} (a C++ compiler needed) with: {REBUILD_COMMAND}")
+            "without it (no C++ compiler at install time, TF_RELUPOOL_BUILD=0, or a source "
+            "tree never built), so only its XLA routes work (Keras' default compile on a GPU, "
+            f"jit_compile=True). Build it for TensorFlow {running} (a C++ compiler needed) "
+            f"with: {REBUILD_COMMAND}")
     if not os.access(path, os.R_OK):
         raise OpLibraryError(
             f"tf_relupool's op library {path} is not readable by this user; fix its permissions "
