@@ -30,6 +30,7 @@ every route that does raises tf_relupool.OpLibraryError with the command that bu
 With the library built, install_requires pins the TensorFlow minor version it was compiled
 against (a binary wheel, `make wheel`, loads into that TensorFlow only).
 """
+import functools
 import json
 import os
 import shutil
@@ -89,17 +90,27 @@ _TF_QUERY = (
 )
 
 
-def tensorflow_build_flags():
-    """TensorFlow's version and flags, from the environment being installed into."""
+@functools.lru_cache(maxsize=None)
+def _query_tensorflow():
+    """(TensorFlow's version and flags, or None; the query's stderr), from the environment being
+    installed into; asked once per process (the requirements and build_ext both need it)."""
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONNOUSERSITE")}
     env["TF_CPP_MIN_LOG_LEVEL"] = "3"
     proc = subprocess.run([sys.executable, "-c", _TF_QUERY], env=env, capture_output=True, text=True)
     if proc.returncode != 0:
+        return None, proc.stderr
+    return json.loads(proc.stdout.strip().splitlines()[-1]), ""
+
+
+def tensorflow_build_flags():
+    """TensorFlow's version and flags; exits with how to install it where there is none."""
+    tf, stderr = _query_tensorflow()
+    if tf is None:
         sys.exit(
             "tf_relupool: TensorFlow must be installed before building the op library "
-            f"(`{sys.executable} -m pip install tensorflow`).\n{proc.stderr[-2000:]}"
+            f"(`{sys.executable} -m pip install tensorflow`).\n{stderr[-2000:]}"
         )
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return tf
 
 
 class BuildOpLibrary(build_ext):
@@ -197,12 +208,9 @@ else:
     # The library loads into the TensorFlow it was compiled against only: pin its minor version
     # (without a TensorFlow here, as for an sdist, the range stays; building the library then
     # stops with tensorflow_build_flags' message).
-    try:
-        _tf = tensorflow_build_flags()["version"]
-    except SystemExit:
-        _tf = None
+    _tf = _query_tensorflow()[0]
     if _tf:
-        _REQUIREMENTS = [f"tensorflow=={_VERSIONS['minor_pin'](_tf)}"] + [
+        _REQUIREMENTS = [f"tensorflow=={_VERSIONS['minor_pin'](_tf['version'])}"] + [
             r for r in _REQUIREMENTS if not r.startswith("tensorflow")]
 
 setup(

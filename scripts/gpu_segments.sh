@@ -18,6 +18,7 @@ mkdir -p "$OUT"
 source .tfgpu/common/setup_tf.sh || { echo "setup_tf.sh failed"; exit 1; }
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
 LB="python3 $ROOT/benchmarks/largest_batch.py"
+DET="$XLA_FLAGS --xla_gpu_deterministic_ops=true"   # XLA's deterministic mode, for the tests
 case ${PART:-measure} in
   measure)
     (cd /tmp && timeout ${T:-560} $LB --models ${MODELS:-mobilenetv2,efficientnetb0,resnet50,vgg16} \
@@ -25,7 +26,7 @@ case ${PART:-measure} in
       --out "$OUT/measure.md") > "$OUT/measure.log" 2>&1
     tail -30 "$OUT/measure.md" ;;
   search)
-    (cd tests && XLA_FLAGS="$XLA_FLAGS --xla_gpu_deterministic_ops=true" TF_CUDNN_DETERMINISTIC=1 \
+    (cd tests && XLA_FLAGS="$DET" TF_CUDNN_DETERMINISTIC=1 \
       timeout ${T:-540} python3 -m pytest -q -p no:cacheprovider ${TESTS:-test_segments.py test_bn_relu.py} \
       > "$OUT/gpu_tests.txt" 2>&1; tail -5 "$OUT/gpu_tests.txt" > "$OUT/gpu_tests_tail.txt") &
     (cd /tmp && timeout 300 python3 "$ROOT/benchmarks/xla_ties.py" --sample-batches 100 > "$OUT/xla_ties.txt" 2>&1) &
@@ -35,7 +36,6 @@ case ${PART:-measure} in
     wait
     tail -30 "$OUT/search.md"; cat "$OUT/gpu_tests_tail.txt"; tail -15 "$OUT/xla_ties.txt" ;;
   tests)
-    DET="$XLA_FLAGS --xla_gpu_deterministic_ops=true"
     for t in ${TESTS:-test_pool_activations.py test_segments.py test_bn_relu.py}; do
       (cd tests && XLA_FLAGS="$DET" TF_CUDNN_DETERMINISTIC=1 TF_FORCE_GPU_ALLOW_GROWTH=true \
         timeout ${T:-560} python3 -m pytest -q -p no:cacheprovider $t > "$OUT/gpu_tests_${t%.py}.txt" 2>&1) &
