@@ -21,7 +21,8 @@ instead, at the traced batch size.
 With `activations=True` the XLA trace also runs `enable_recompute(activations=True)` and lists
 every segment (tf_relupool/segments.py): recomputed, or why it took stock's route, and for a
 recomputed one the bytes of its output, which stock keeps for the next layer's gradient (an
-upper bound of what XLA frees: it may keep a copy of its own).
+upper bound of what XLA frees: it may keep a copy of its own), and every activation of the table
+that starts no segment, with why (its input is kept by nothing else, say).
 
 Routes available: the XLA route needs no op library; the graph pass does. Where the library is
 missing (a no-compiler install, docs/install.md) the report says so on its first line, and the
@@ -86,9 +87,10 @@ class FusionReport:
                              f"{'yes' if g['recomputed'] else 'no'} | {g['reason'] or ''} | "
                              f"{saved} |")
             done = [g for g in self.segments if g["recomputed"]]
-            lines.append(f"\n{len(done)} of {len(self.segments)} segment(s) recomputed, "
-                         f"{sum(g['bytes_saved'] or 0 for g in done) / 2 ** 20:.2f} MiB saved per "
-                         "step at most")
+            outside = sum(not g["segment"] for g in self.segments)
+            lines.append(f"\n{len(done)} of {len(self.segments) - outside} segment(s) "
+                         f"recomputed, {sum(g['bytes_saved'] or 0 for g in done) / 2 ** 20:.2f} "
+                         f"MiB saved per step at most; {outside} activation(s) in no segment")
         return "\n".join(lines)
 
     __repr__ = __str__
@@ -132,6 +134,7 @@ def _xla_pairs(model, spec, keep, activations=False):
         recomputed = g.route == "recomputed"
         segment_rows.append({
             "where": g.where, "what": g.name, "recomputed": recomputed,
+            "segment": not isinstance(g, segments.Uncovered),
             "reason": None if recomputed else (g.route or "no gradient traced"),
             "bytes_saved": (out.shape.num_elements() * out.dtype.size
                             if recomputed and out.shape.is_fully_defined() else None)})

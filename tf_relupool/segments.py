@@ -552,15 +552,39 @@ def _activation_wrapper(row, original):
             source = _source(x)
             if source is None and row.reads_input:
                 source = _identity_source(x)
+            name = _relu_name(row, args, kwargs)
             if source is not None:
-                name = _relu_name(row, args, kwargs)
                 seg = Segment(name, source, stock, _hold_g(row.name, row.hold))
                 out = _make_g(seg, x)
                 if row.attr == "sigmoid":  # Keras' sigmoid marks its output with its logits
                     out._keras_logits = x
                 return out
+            _record_uncovered(name, x, row)
         return stock(x)
     return staticmethod(activation) if isinstance(original, staticmethod) else activation
+
+
+Uncovered = collections.namedtuple("Uncovered", "name where route output")
+
+
+def _record_uncovered(name, u, row):
+    """For fusion_report: an activation of the table that starts no segment, and why."""
+    import tensorflow as tf
+    from tf_relupool import _compat
+    if not _recorder.active():
+        return
+    if not isinstance(u, tf.Tensor) or not u.shape.is_fully_defined():
+        why = "its input's shape is not fully known at trace time"
+    elif row.reads_input and u.dtype.is_floating and u.shape.rank > 2:
+        why = "its input is per-channel (an SE block's squeeze): nothing worth recomputing"
+    else:
+        op = u.op.type
+        why = (f"its input (from {op}) is kept by nothing else: a segment starts at a "
+               "BatchNormalization output, an Add of one, or another segment's output" +
+               (", or any full-size input" if row.reads_input else
+                "; recomputing from it would keep it instead of the output"))
+    _recorder.add(Uncovered(name, _compat.keras_layer_path() or getattr(u, "name", "?"),
+                            "not in a segment: " + why, None))
 
 
 def _per_channel(gate, x):
