@@ -120,9 +120,9 @@ def test_activation_segments_listed_with_their_route_and_bytes():
 
 
 def test_activation_in_no_segment_listed_with_why():
-    """An activation of the table that starts no segment is listed with why: the composite hard
-    swish x * ReLU(6)(x + 3) / 6 (Keras 2's MobileNetV3 form), whose ReLU6 reads an Add of a
-    constant, and a ReLU reading a conv's biased output."""
+    """An activation of the table that starts no segment is listed with why (a ReLU reading a
+    conv's biased output, a ReLU6 reading an Add of a constant); the composite hard swish
+    x * ReLU(6)(x + 3) / 6 (Keras 2's MobileNetV3 form) is one segment, named by its Multiply."""
     keras.utils.set_random_seed(0)
     inp = keras.Input((8, 8, 2))
     x = keras.layers.Conv2D(4, 3, padding="same", activation="relu", name="c1")(inp)
@@ -130,12 +130,14 @@ def test_activation_in_no_segment_listed_with_why():
         keras.layers.Conv2D(4, 3, padding="same", use_bias=False, name="c2")(x))
     h = keras.layers.ReLU(6.0, name="hard")(x + 3.0) * (1.0 / 6.0)
     x = keras.layers.Conv2D(4, 3, name="c3")(keras.layers.Multiply(name="swish")([x, h]))
+    x = keras.layers.ReLU(6.0, name="shifted")(x + 1.0)
     model = keras.Model(inp, keras.layers.Dense(3)(keras.layers.Flatten()(x)))
     report = tf_relupool.fusion_report(model, batch_size=2, routes="xla", activations=True)
     rows = {g["where"]: g for g in report.segments}
-    assert set(rows) == {"c1", "hard"}, rows
-    assert not any(g["recomputed"] or g["segment"] for g in rows.values())
-    assert rows["hard"]["what"] == "relu6" and "AddV2" in rows["hard"]["reason"]
-    assert rows["c1"]["what"] == "relu" and "BiasAdd" in rows["c1"]["reason"]
-    assert "0 of 0 segment(s) recomputed" in str(report)
+    assert set(rows) == {"c1", "swish", "shifted"}, rows
+    assert rows["swish"]["what"] == "hard_silu" and rows["swish"]["recomputed"]
+    for where, what, producer in (("c1", "relu", "BiasAdd"), ("shifted", "relu6", "AddV2")):
+        assert rows[where]["what"] == what and not rows[where]["segment"]
+        assert not rows[where]["recomputed"] and producer in rows[where]["reason"]
+    assert "1 of 1 segment(s) recomputed" in str(report)
     assert "2 activation(s) in no segment" in str(report)

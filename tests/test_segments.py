@@ -37,7 +37,10 @@ ACTIVATION_CASES = {
     "gelu": [lambda: layers.Activation("gelu"),
              lambda: layers.Lambda(lambda x: keras.activations.gelu(x, approximate=False))],
     "hard_sigmoid": [lambda: layers.Activation("hard_sigmoid")],
-    "hard_silu": [lambda: layers.Activation("hard_swish"), lambda: layers.Activation("hard_silu")],
+    "hard_silu": [lambda: layers.Activation("hard_swish"), lambda: layers.Activation("hard_silu"),
+                  # Keras 2's MobileNetV3: x * ReLU(6.)(x + 3.) * (1. / 6.) (COMPOSITES), and / 6.
+                  lambda: lambda x: layers.Multiply()([x, layers.ReLU(6.0)(x + 3.0) * (1 / 6)]),
+                  lambda: lambda x: layers.Multiply()([layers.ReLU(6.0)(x + 3.0) / 6.0, x])],
     "sigmoid": [lambda: layers.Activation("sigmoid")],
     "tanh": [lambda: layers.Activation("tanh")],
     "softplus": [lambda: layers.Activation("softplus")],
@@ -90,11 +93,25 @@ def test_every_consumer(consumer, act):
 
 
 @pytest.mark.parametrize("policy", ["mixed_float16", "mixed_bfloat16"])
-@pytest.mark.parametrize("act", ["relu6", "silu", "gelu"])
-def test_mixed_precision(policy, act):
+@pytest.mark.parametrize("act,form", [("relu6", 0), ("silu", 0), ("gelu", 0), ("hard_silu", 2)])
+def test_mixed_precision(policy, act, form):
     with global_policy(policy):
-        delta = _stock_and_product(_block(ACTIVATION_CASES[act][0]), 4)
+        delta = _stock_and_product(_block(ACTIVATION_CASES[act][form]), 4)
     assert delta == dict(segments=1, convs=1, recomputed=1, stock=0, fused=0)
+
+
+@pytest.mark.parametrize("policy", ["float32", "mixed_float16"])
+def test_composite_whose_h_feeds_another_op_takes_stock_route(policy):
+    """Keras 2's hard swish x * h(x) where h(x) = ReLU(6)(x + 3) / 6 is also read elsewhere: the
+    segment takes stock's route (stock sums that other path's gradient into h), bitwise."""
+    def act():
+        def apply(x):
+            h = layers.ReLU(6.0)(x + 3.0) / 6.0
+            return layers.Add()([layers.Multiply()([x, h]), h])
+        return apply
+    with global_policy(policy):
+        delta = _stock_and_product(_block(act), 4)
+    assert delta == dict(segments=1, convs=0, recomputed=0, stock=1, fused=0)
 
 
 def test_channels_first():

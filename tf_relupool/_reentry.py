@@ -44,3 +44,9 @@ class Recorder:
         events = getattr(self._local, "events", None)
         if events is not None:
             events.append(event)
+
+    def discard(self, drop):
+        """Removes the events collected on this thread for which drop(event) is true."""
+        events = getattr(self._local, "events", None)
+        if events is not None:
+            events[:] = [e for e in events if not drop(e)]

@@ -18,6 +18,8 @@ tests/test_segments.py.
   gradient reads the activation's input, so that input is kept anyway and a segment can start
   at it whatever made it (PRODUCERS' identity: ConvNeXt's Dense -> GELU -> Dense, a
   Conv2D(activation="swish")), keeping it alone instead of it and the output.
+- COMPOSITES: activations written from separate ops as x * h(x) (Keras 2's hard swish), one
+  row per chain of ops from x to h(x).
 - PRODUCERS: what a segment starts from.
 - CONSUMERS: the Keras backend functions whose gradient would keep a segment's output: their
   backward recomputes it from the segment's kept inputs. Ops whose gradient reads none of their
@@ -83,6 +85,17 @@ EXTENDERS = (
     Extender("zero_pad", "numpy", "pad", "ZeroPadding1D/2D/3D, ops.pad with zeros "
              "(before a strided depthwise conv: MobileNet's, EfficientNet's); not after a plain "
              "ReLU, where ReLU -> pad -> max pool is the pool fusion's pattern"),
+)
+
+Composite = collections.namedtuple("Composite", "name chain")
+
+#: activations written from separate ops as x * h(x), h an elementwise chain of scalar-constant
+#: steps: `chain` is h's op types from x on. The product becomes one segment of the activation
+#: (its G replays stock's ops: the same op types, constants and operand order).
+COMPOSITES = (
+    # MobileNetV3's hard swish in Keras 2's form: x * ReLU(6.)(x + 3.) * (1. / 6.), or / 6.
+    Composite("hard_silu", ("AddV2", "Relu6", "Mul")),
+    Composite("hard_silu", ("AddV2", "Relu6", "RealDiv")),
 )
 
 #: op types whose gradient reads none of their inputs' values: a segment output they read is not

@@ -22,7 +22,9 @@ turns off; tf_relupool/_hooks.py):
   with a tensor of the same shape, or another segment's output), its output becomes G's, a
   `tf.custom_gradient` whose forward is stock's call on u;
 - the gate multiply (`layers.Multiply`, `ops.multiply`) of a segment's output and a per-channel
-  gate: G again, its forward stock's multiply;
+  gate: G again, its forward stock's multiply; a multiply x * h(x) of a covered x, h a chain of
+  segment_table.COMPOSITES (Keras 2's hard swish): G of x, whose forward is stock's multiply of
+  x and the traced h(x), and whose recomputation replays h's ops on the recomputed x;
 - each consumer of the table (convolutions, Dense's matmul) of a G output becomes C, a custom
   gradient whose forward is stock's call and whose backward recomputes G's output from the
   segment's kept inputs for the kernel's gradient (the input's gradient needs the kernel alone).
@@ -351,7 +353,7 @@ class Segment:
     """One traced G: its op (stock's call) applied to its input u, and how its output is
     recomputed from the kept roots."""
 
-    def __init__(self, name, source, op, hold, extra=()):
+    def __init__(self, name, source, op, hold, extra=(), side=(), again=None):
         self.name = name            # the activation's table name, or "gate"
         self.source = source        # how u is recomputed
         self.op = op                # op(u_value, *extra_values): stock's call
@@ -359,6 +361,10 @@ class Segment:
         # it changed the fusion of an identity block's sum and its bits, measured on the CPU)
         self.hold = hold and not source.shortcut
         self.extra = list(extra)    # kept tensors the op reads besides u (the gate)
+        # tensors G's forward reads after those, recomputed instead (again(u, *extra): the op
+        # with them recomputed from u; COMPOSITES' h(x)); stock's route passes their gradients on
+        self.side = list(side)
+        self.again = again or op
         self.roots = source.roots + self.extra
         self.skipped = source.skipped
         self.u = None               # the traced input
@@ -367,6 +373,7 @@ class Segment:
         self.ops = set()            # the names of G's forward ops
         self.where = ""             # the Keras layers being called when it was traced
         self.route = None           # "recomputed" or stock's reason, once its gradient is traced
+        self.unread = ()            # ops whose outputs only G reads (COMPOSITES' h)
 
     def held(self):
         """Whether G's recomputation runs behind the barrier: the table's `hold`, except where
@@ -389,7 +396,7 @@ class Segment:
     def value(self, ts):
         """The segment's output recomputed from roots `ts`."""
         n = len(self.source.roots)
-        return self.op(self.source.value(ts[:n]), *ts[n:])
+        return self.again(self.source.value(ts[:n]), *ts[n:])
 
     def _other_consumers_of_u(self, entry):
         """The ops reading u besides this G's own: the model's, or another segment's G (a C's
@@ -404,6 +411,8 @@ class Segment:
         step."""
         entry = _entry(self.output)
         ours = entry["ops"]
+        if any(c.name not in self.ops for op in self.unread for c in op.outputs[0].consumers()):
+            return f"the {self.name}'s h(x) also feeds other ops"
         for op in self.output.consumers():
             if op.name not in ours and op.type not in segment_table.KEEP_NOTHING:
                 return f"the {self.name} output also feeds " + op.type
@@ -468,11 +477,11 @@ def _make_g(seg, u):
 
     @tf.custom_gradient
     def g(*args):
-        ts, u_in = list(args[:n]), args[n]
+        ts, u_in, side = list(args[:n]), args[n], list(args[n + 1:])
         extra = ts[len(seg.source.roots):]
         with tf.GradientTape(persistent=True) as forward:
-            forward.watch([u_in] + extra)
-            out = seg.op(u_in, *extra)
+            forward.watch([u_in] + extra + side)
+            out = seg.op(u_in, *extra, *side)
         seg.inner = out if isinstance(out, tf.Tensor) else None
 
         def grad(da):
@@ -490,19 +499,20 @@ def _make_g(seg, u):
                 with tf.GradientTape() as tape:
                     u2 = seg.source.value(held)
                     tape.watch([u2] + extra)
-                    a2 = seg.op(u2, *extra)
-                grads = tape.gradient(a2, [u2] + extra, output_gradients=da)
+                    a2 = seg.again(u2, *extra)
+                grads = tape.gradient(a2, [u2] + extra, output_gradients=da) + [None] * len(side)
             else:
                 _stats["stock"] += 1
                 _stats["stock:" + reason] += 1
-                grads = forward.gradient(out, [u_in] + extra, output_gradients=da)
-            du, dextra = grads[0], list(grads[1:])
-            return [None] * (n - len(extra)) + dextra + [du]
+                grads = forward.gradient(out, [u_in] + extra + side, output_gradients=da)
+            k = 1 + len(extra)
+            du, dextra, dside = grads[0], list(grads[1:k]), list(grads[k:])
+            return [None] * (n - len(extra)) + dextra + [du] + dside
 
         return out, grad
 
     with _Ours(u.graph) as ours:
-        seg.output = g(*seg.roots, u)
+        seg.output = g(*seg.roots, u, *seg.side)
     seg.ops = ours.new
     _entry(u)["segments"][seg.output.name] = seg
     _stats["segments"] += 1
@@ -559,7 +569,9 @@ def _activation_wrapper(row, original):
                 if row.attr == "sigmoid":  # Keras' sigmoid marks its output with its logits
                     out._keras_logits = x
                 return out
-            _record_uncovered(name, x, row)
+            out = stock(x)
+            _record_uncovered(name, x, row, out)
+            return out
         return stock(x)
     return staticmethod(activation) if isinstance(original, staticmethod) else activation
 
@@ -567,7 +579,7 @@ def _activation_wrapper(row, original):
 Uncovered = collections.namedtuple("Uncovered", "name where route output")
 
 
-def _record_uncovered(name, u, row):
+def _record_uncovered(name, u, row, out):
     """For fusion_report: an activation of the table that starts no segment, and why."""
     import tensorflow as tf
     from tf_relupool import _compat
@@ -584,7 +596,7 @@ def _record_uncovered(name, u, row):
                (", or any full-size input" if row.reads_input else
                 "; recomputing from it would keep it instead of the output"))
     _recorder.add(Uncovered(name, _compat.keras_layer_path() or getattr(u, "name", "?"),
-                            "not in a segment: " + why, None))
+                            "not in a segment: " + why, out))
 
 
 def _per_channel(gate, x):
@@ -596,6 +608,71 @@ def _per_channel(gate, x):
     dims = [d for d in range(gs.rank) if gs[d] != 1]
     return all(gs[d] == xs[d] for d in dims) and len(dims) <= 2 and gs.num_elements() < (
         xs.num_elements())
+
+
+def _activation_row(name):
+    return next(r for r in segment_table.ACTIVATIONS if r.name == name)
+
+
+def _scalar_const(t):
+    return t.op.type == "Const" and t.shape.rank == 0
+
+
+def _composite_chain(x, h):
+    """(row, [h's ops from x on]) where h is a COMPOSITES row's chain applied to x alone (each
+    step's other operand a scalar constant, each step read by the next alone), else None."""
+    ops, t = [], h
+    while t.name != x.name:
+        op = t.op
+        rest = [i for i in op.inputs if not _scalar_const(i)]
+        if len(rest) != 1 or len(ops) > 8 or (ops and len(t.consumers()) != 1):
+            return None
+        ops.insert(0, op)
+        t = rest[0]
+    chain = tuple(op.type for op in ops)
+    row = next((r for r in segment_table.COMPOSITES if r.chain == chain), None)
+    return None if row is None else (row, ops)
+
+
+def _replay(ops, u):
+    """ops (an elementwise chain from a tensor x), applied to u instead: stock's op types,
+    constants and operand order."""
+    import tensorflow as tf
+    t = u
+    for op in ops:
+        args = [t if not _scalar_const(i) else i for i in op.inputs]
+        t = getattr(tf.raw_ops, op.type)(**{a.name: v for a, v in zip(op.op_def.input_arg, args)})
+    return t
+
+
+def _composite(x1, x2, original):
+    """A COMPOSITES row's product x * h(x) of a covered x: its segment's output, else None."""
+    import tensorflow as tf
+    for x, h, first in ((x1, x2, True), (x2, x1, False)):
+        source = _source(x)
+        if source is None or x.shape != h.shape:
+            continue
+        found = _composite_chain(x, h)
+        if found is None:
+            continue
+        row, ops = found
+
+        def op(u, hu, first=first):
+            with _stock_call:
+                return original(u, hu) if first else original(hu, u)
+
+        def again(u, ops=ops, op=op):  # h(u) recomputed: the chain replayed on u
+            with _stock_call:
+                return op(u, _replay(ops, u))
+        hold = _hold_g(row.name, _activation_row(row.name).hold)
+        out = _make_g(Segment(row.name, source, op, hold, side=[h], again=again), x)
+        seg = _segment_of(out)
+        seg.ops |= {o.name for o in ops}  # h's ops: x's readers that are the segment's own
+        seg.unread = ops
+        _recorder.discard(lambda e: isinstance(e, Uncovered) and any(
+            getattr(e.output, "name", None) == o.outputs[0].name for o in ops))
+        return out
+    return None
 
 
 def _gate_wrapper(original):
@@ -612,6 +689,9 @@ def _gate_wrapper(original):
                             return original(u, g) if first else original(g, u)
                     return _make_g(Segment("gate", prev.as_source(), op,
                                            _hold_g("gate", False), [gate]), x)
+            out = _composite(x1, x2, original)
+            if out is not None:
+                return out
         return original(x1, x2)
     multiply._tf_relupool_wraps = original
     return multiply
