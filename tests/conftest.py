@@ -311,21 +311,43 @@ def _strip_braced(line, key):
     return line[:at] + line[end + 1:]
 
 
-def optimized_hlo_shape(fn, *args):
+#: what `optimized_hlo_shape(..., kernels=False)` leaves out: how instructions are grouped into
+#: fusions (kernels), not what they compute
+_GROUPING_OPS = ("parameter", "tuple", "get-tuple-element", "fusion", "bitcast")
+
+
+def optimized_hlo_shape(fn, *args, kernels=True):
     """The HLO XLA runs for `fn(*args)` under tf.function(jit_compile=True), after its
     optimizations, with names and metadata removed and the lines sorted: two functions with the
     same shape compile to the same fusions and instructions, so they give the same bits on every
     CPU (the same code). Where two shapes differ, XLA's code can add in another order, which
-    shows only on some CPUs (an AVX2-only CPU's vector width, say)."""
-    import re
+    shows only on some CPUs (an AVX2-only CPU's vector width, say).
+
+    kernels=False: the instructions alone, their grouping into fusions left out (the lines that
+    only pass values between fusions, and the fusions' headers): on a GPU two graphs of the same
+    computation whose gradient ops were built in another order can have XLA's sibling
+    multi-output fusion group the same reductions into other kernels, each reduction computed
+    alike."""
     text = tf.function(fn, jit_compile=True).experimental_get_compiler_ir(*args)(
         stage="optimized_hlo")
+    return hlo_shape(text, kernels)
+
+
+def hlo_shape(text, kernels=True):
+    """optimized_hlo_shape of an HLO module's text."""
+    import re
     lines = []
     for line in text.splitlines():
         if line.startswith("HloModule"):
             continue
         line = re.sub(r", metadata=\{[^}]*\}", "", line)
         line = _strip_braced(line, ", backend_config=")
+        if not kernels:
+            op = re.match(r"\s*(ROOT )?%[\w.\-]+ = \S+(?: \S+)*? ([a-z\-]+)\(", line)
+            if op is None or op.group(2) in _GROUPING_OPS:
+                continue
+            line = re.sub(r"^\s*(ROOT )?", "", re.sub(r", calls=%[\w.\-]+", "", line))
+            line = re.sub(r"/\*index=\d+\*/", "", line)
         line = re.sub(r"%[\w.\-]+", "%v", line)
         line = re.sub(r"\b[A-Za-z_][\w\-]*(\.\d+)+\b", "v", line)  # x.409 (older XLA's params)
         lines.append(re.sub(r"\b(fused_computation|wrapped_\w+|region)[\w.]*", "f", line).strip())
