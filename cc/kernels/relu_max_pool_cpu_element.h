@@ -3,8 +3,8 @@
 // gradient's adds and masks. Compiled once per instruction set with them (relu_max_pool_cpu_isa.h).
 //
 // Every operation here is an exact IEEE operation (compare, select by bits, add, multiply by 0
-// or 1), so every instruction-set path gives the same bits; keep it so (relu_max_pool_cpu_kernels.cc
-// says more).
+// or 1), so every instruction-set path gives the same bits; keep it so
+// (relu_max_pool_cpu_kernels.cc says more).
 #ifndef TF_RELUPOOL_CC_KERNELS_RELU_MAX_POOL_CPU_ELEMENT_H_
 #define TF_RELUPOOL_CC_KERNELS_RELU_MAX_POOL_CPU_ELEMENT_H_
 

@@ -4,7 +4,7 @@
 // same bits. Their contracts are those of the public functions of relu_max_pool.h:
 //   Forward             ReluMaxPoolForwardCpu
 //   ForwardWithArgmax   ReluMaxPoolForwardWithArgmaxCpu
-//   BackwardFromInput   ReluMaxPoolBackwardFromInputCpu (workspace: BackwardFromInputWorkspaceBytes)
+//   BackwardFromInput   ReluMaxPoolBackwardFromInputCpu (BackwardFromInputWorkspaceBytes)
 //   FindInvalidArgmax   FindInvalidArgmaxCpu
 //   BackwardFromArgmax  ReluMaxPoolBackwardFromArgmaxCpu
 //   GradGradFromArgmax  ReluMaxPoolGradGradFromArgmaxCpu
