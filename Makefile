@@ -85,6 +85,21 @@ demo: install
 clean:
 	rm -rf build *.egg-info $(VENV) tf_relupool/_relu_max_pool_ops.so tf_relupool/_build_info.py
 
+# ---- The CPU kernels, compiled once per instruction set ----
+# cc/kernels/relu_max_pool_cpu_kernels.cc is compiled with each set's define
+# (cc/kernels/relu_max_pool_cpu_isa.h; setup.py and BUILD pass the same): $(call cpu_kernel_objs,DIR)
+# are DIR/<set>/relu_max_pool_cpu_kernels.o, compiled by the CPU_KERNELS_COMPILE command of the
+# binary they go into (a target-specific variable, which its prerequisites inherit).
+CPU_KERNELS_SRC := cc/kernels/relu_max_pool_cpu_kernels.cc
+CPU_ISA_DEFINES_baseline :=
+CPU_ISA_DEFINES_avx2 := -DTFRP_CPU_ISA_AVX2
+CPU_ISA_DEFINES_avx512 := -DTFRP_CPU_ISA_AVX512
+cpu_kernel_objs = $(foreach isa,baseline avx2 avx512,$(1)/$(isa)/relu_max_pool_cpu_kernels.o)
+
+%/relu_max_pool_cpu_kernels.o: $(CPU_KERNELS_SRC) $(wildcard cc/kernels/*.h)
+	@mkdir -p $(@D)
+	$(CPU_KERNELS_COMPILE) $(CPU_ISA_DEFINES_$(notdir $*)) -c $< -o $@
+
 # ---- GPU harness: no TensorFlow; needs nvcc, an NVIDIA GPU and (for the cuDNN path) cuDNN 9. ----
 # `make gpu-check` builds the CUDA kernels, the cuDNN path and the CPU reference with nvcc alone,
 # checks every op bitwise against the CPU kernels and prints the timing table;
@@ -100,7 +115,7 @@ GPU_CHECK_ARGS ?=
 CUDNN_SEARCH ?= $(CUDNN_HOME)/include /usr/include/x86_64-linux-gnu /usr/include /usr/local/cuda/include \
 	$(wildcard $(VENV)/lib/python3*/site-packages/tensorflow/include/third_party/gpus/cudnn/include)
 GPU_OBJS := $(addprefix $(GPU_BUILD)/,relu_max_pool_gpu.o relu_max_pool_cudnn.o gpu_check.o \
-	relu_max_pool_cpu.o relu_max_pool_params.o)
+	relu_max_pool_cpu.o relu_max_pool_params.o) $(call cpu_kernel_objs,$(GPU_BUILD))
 GPU_DEPS := $(wildcard cc/kernels/*.h) $(GPU_BUILD)/cudnn_include/.stamp
 GPU_NVCC_FLAGS := -O3 --std=c++17 -I. -I$(GPU_BUILD)/cudnn_include -Xcompiler -pthread,-ffp-contract=off $(GPU_EXTRA_FLAGS)
 
@@ -124,6 +139,7 @@ $(GPU_BUILD)/%.o: cc/kernels/%.cc $(GPU_DEPS)
 $(GPU_BUILD)/%.o: gpu_check/%.cu $(GPU_DEPS)
 	$(NVCC) $(GPU_NVCC_FLAGS) $(GPU_ARCH) -c $< -o $@
 
+$(GPU_BIN): CPU_KERNELS_COMPILE = $(NVCC) $(GPU_NVCC_FLAGS)
 $(GPU_BIN): $(GPU_OBJS)
 	$(NVCC) $(GPU_ARCH) $(GPU_OBJS) -o $@ -ldl -lpthread
 
@@ -229,20 +245,22 @@ SAN_ENV = LD_PRELOAD="$$($(CXX_TEST) -print-file-name=libasan.so) $$($(CXX_TEST)
 fuzz: install
 	$(PY) tests/fuzz_ops.py --calls $(FUZZ_CALLS) --seed $(FUZZ_SEED) --jobs $(FUZZ_JOBS)
 
-$(SAN_BUILD)/kernels_test_asan: $(CC_TEST_SRCS) $(wildcard cc/kernels/*.h)
-	@mkdir -p $(@D)
-	$(CXX_TEST) -std=c++17 -ffp-contract=off $(SAN_CXXFLAGS) -fno-sanitize-recover=all -I. $(CC_TEST_SRCS) -o $@ -pthread
-
-$(SAN_BUILD)/kernels_test_tsan: $(CC_TEST_SRCS) $(wildcard cc/kernels/*.h)
-	@mkdir -p $(@D)
-	$(CXX_TEST) -std=c++17 -ffp-contract=off -fsanitize=thread -g -O1 -I. $(CC_TEST_SRCS) -o $@ -pthread
-
+# The kernel test binaries: CC_TEST_SRCS and the kernel objects (beside the binary, in <binary>.cpu/),
+# all compiled with the binary's CC_TEST_COMPILE.
+cc_test_kernels = $(call cpu_kernel_objs,$(1).cpu)
+CC_TEST_LINK = $(CC_TEST_COMPILE) $(CC_TEST_SRCS) $(call cc_test_kernels,$@) -o $@ -pthread
+$(SAN_BUILD)/kernels_test_asan: CC_TEST_COMPILE = $(CXX_TEST) -std=c++17 -ffp-contract=off $(SAN_CXXFLAGS) -fno-sanitize-recover=all -I.
+$(SAN_BUILD)/kernels_test_tsan: CC_TEST_COMPILE = $(CXX_TEST) -std=c++17 -ffp-contract=off -fsanitize=thread -g -O1 -I.
 # The same kernel test built as setup.py builds the library (-O3, no sanitizer): the code that
 # ships, on every CPU path the machine has (`make cc-test`; CI runs it and sanitize-cc).
 CC_BUILD := build/cc
-$(CC_BUILD)/kernels_test: $(CC_TEST_SRCS) $(wildcard cc/kernels/*.h)
+$(CC_BUILD)/kernels_test: CC_TEST_COMPILE = $(CXX_TEST) -std=c++17 -O3 -ffp-contract=off -I.
+CC_TESTS := $(SAN_BUILD)/kernels_test_asan $(SAN_BUILD)/kernels_test_tsan $(CC_BUILD)/kernels_test
+$(CC_TESTS): CPU_KERNELS_COMPILE = $(CC_TEST_COMPILE)
+.SECONDEXPANSION:
+$(CC_TESTS): $(CC_TEST_SRCS) $(wildcard cc/kernels/*.h) $$(call cc_test_kernels,$$@)
 	@mkdir -p $(@D)
-	$(CXX_TEST) -std=c++17 -O3 -ffp-contract=off -I. $(CC_TEST_SRCS) -o $@ -pthread
+	$(CC_TEST_LINK)
 
 cc-test: $(CC_BUILD)/kernels_test
 	$< --iters $(CC_TEST_ITERS)

@@ -45,6 +45,12 @@ from setuptools.command.build_ext import build_ext
 ROOT = Path(__file__).resolve().parent
 LIB_NAME = "_relu_max_pool_ops.so"
 CPU_SOURCES = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "cc").rglob("*.cc"))
+# The CPU kernels' source, compiled once per instruction set with that set's define
+# (cc/kernels/relu_max_pool_cpu_isa.h; BUILD and the Makefile pass the same); the objects'
+# names end in the set's. relu_max_pool_cpu.cc chooses between them at run time.
+CPU_KERNELS = "cc/kernels/relu_max_pool_cpu_kernels.cc"
+CPU_ISA_DEFINES = {"baseline": [], "avx2": ["-DTFRP_CPU_ISA_AVX2"],
+                   "avx512": ["-DTFRP_CPU_ISA_AVX512"]}
 CUDA_SOURCES = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "cc").rglob("*.cu"))
 GPU_OPKERNELS = "cc/ops/relu_max_pool_kernels_gpu.cc"  # empty unless TF_RELUPOOL_CUDA is defined
 CUDA_ARCHS = ("80", "90")
@@ -128,7 +134,7 @@ class BuildOpLibrary(build_ext):
         cxx = os.environ.get("CXX", "g++")
         extra = os.environ.get("TF_RELUPOOL_CXXFLAGS", "").split()
         # -ffp-contract=off: the CPU kernels are compiled for several instruction sets and
-        # dispatched at run time (cc/kernels/relu_max_pool_cpu.cc); every path must give the same
+        # dispatched at run time (CPU_ISA_DEFINES); every path must give the same
         # bits, so no a * b + c may become an FMA on the paths that have one.
         cflags = ["-O3", "-fPIC", "-ffp-contract=off", "-Wall", "-Wno-sign-compare",
                   "-Wno-deprecated-declarations", f"-I{ROOT}"] + tf["cflags"] + extra
@@ -150,8 +156,8 @@ class BuildOpLibrary(build_ext):
             gpu_cflags = [f"-I{shim}", f"-I{cuda_home / 'include'}", "-DTF_RELUPOOL_CUDA=1",
                           "-DGOOGLE_CUDA=1"]
 
-        def compile_one(src):
-            obj = obj_dir / (src.replace("/", "_") + ".o")
+        def compile_one(src, isa=None):
+            obj = obj_dir / (src.replace("/", "_") + (f".{isa}" if isa else "") + ".o")
             if src.endswith(".cu"):
                 cmd = [nvcc, "-O3", "--std=c++17", "-Xcompiler", "-fPIC", *abi, f"-I{ROOT}",
                        # cuDNN's headers as shipped in the TensorFlow wheel (types only: dlopen'd).
@@ -161,14 +167,16 @@ class BuildOpLibrary(build_ext):
                        "-c", str(ROOT / src), "-o", str(obj)]
             else:
                 flags = cflags[:2] + gpu_cflags + cflags[2:] if src == GPU_OPKERNELS else cflags
+                flags = flags + CPU_ISA_DEFINES[isa] if isa else flags
                 cmd = [cxx, *flags, "-c", str(ROOT / src), "-o", str(obj)]
             print(" ".join(cmd), flush=True)
             subprocess.run(cmd, check=True)
             return str(obj)
 
-        sources = CPU_SOURCES + (CUDA_SOURCES if nvcc else [])
+        units = [(src, isa) for src in CPU_SOURCES + (CUDA_SOURCES if nvcc else [])
+                 for isa in (CPU_ISA_DEFINES if src == CPU_KERNELS else [None])]
         with ThreadPoolExecutor(max_workers=os.cpu_count() or 2) as pool:
-            objs = list(pool.map(compile_one, sources))
+            objs = list(pool.map(lambda unit: compile_one(*unit), units))
         cuda_link = []
         if nvcc:
             cuda_link = [f"-L{cuda_home / 'lib64'}", "-l:libcudart_static.a", "-ldl", "-lrt",

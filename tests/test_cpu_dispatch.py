@@ -1,7 +1,8 @@
 """The CPU kernels' instruction-set paths: chosen at run time, each bitwise equal to the others.
 
-cc/kernels/relu_max_pool_cpu.cc compiles the CPU kernels for baseline x86-64 (SSE2), AVX2 and
-AVX-512 and picks the best path the CPU supports, or the one TF_RELUPOOL_CPU_ISA names. Here:
+The build compiles the CPU kernels (cc/kernels/relu_max_pool_cpu_kernels.cc) for baseline x86-64
+(SSE2), AVX2 and AVX-512; cc/kernels/relu_max_pool_cpu.cc picks the best path the CPU supports,
+or the one TF_RELUPOOL_CPU_ISA names. Here:
 - every path this machine can run gives the same bits as the baseline path (outputs, window
   codes, gradients of both kinds, second order) and as stock TensorFlow, over random shapes that
   reach the vector loops and their tails, all four dtypes, and data full of ties, NaN, +-Inf and
@@ -145,10 +146,18 @@ def test_forced_path_the_cpu_lacks_falls_back_without_sigill(tmp_path):
     """Valgrind's virtual CPU reports AVX2 but no AVX-512: forcing avx512 there must log and fall
     back, and the kernel test must pass on the paths it does run (memcheck on, too)."""
     exe = tmp_path / "kernels_test"
-    subprocess.run(["g++", "-std=c++17", "-O1", "-ffp-contract=off", f"-I{ROOT}",
-                    os.path.join(ROOT, "tests/cc/kernels_test.cc"),
+    cxx = ["g++", "-std=c++17", "-O1", "-ffp-contract=off", f"-I{ROOT}"]
+    # The kernel source once per instruction set, with setup.py's CPU_ISA_DEFINES.
+    kernels = []
+    for isa, defines in (("baseline", []), ("avx2", ["-DTFRP_CPU_ISA_AVX2"]),
+                         ("avx512", ["-DTFRP_CPU_ISA_AVX512"])):
+        kernels.append(str(tmp_path / f"kernels_{isa}.o"))
+        subprocess.run([*cxx, *defines, "-c",
+                        os.path.join(ROOT, "cc/kernels/relu_max_pool_cpu_kernels.cc"),
+                        "-o", kernels[-1]], check=True, timeout=900)
+    subprocess.run([*cxx, os.path.join(ROOT, "tests/cc/kernels_test.cc"),
                     os.path.join(ROOT, "cc/kernels/relu_max_pool_cpu.cc"),
-                    os.path.join(ROOT, "cc/kernels/relu_max_pool_params.cc"),
+                    os.path.join(ROOT, "cc/kernels/relu_max_pool_params.cc"), *kernels,
                     "-o", str(exe), "-pthread"], check=True, timeout=900)
     env = dict(os.environ, TF_RELUPOOL_CPU_ISA="avx512")
     proc = subprocess.run(["valgrind", "-q", "--error-exitcode=3", str(exe), "--iters", "40",
@@ -205,7 +214,7 @@ def test_avx_instructions_only_in_the_per_isa_copies():
 def test_kernels_select_rather_than_max():
     """No max/min instruction in the CPU kernels: under denormals-are-zero (TensorFlow's threads)
     a max returns a denormal flushed to zero where a select keeps its bits, and GCC's choice
-    between them differs between vector widths (relu_max_pool_cpu_impl.h, SelectValue)."""
+    between them differs between vector widths (relu_max_pool_cpu_element.h, SelectValue)."""
     if not shutil.which("objdump") or not re.match(r"x86_64|AMD64", os.uname().machine):
         pytest.skip("needs objdump on x86-64")
     out = subprocess.run(["objdump", "-d", "-C", "--no-show-raw-insn", library_path()],
@@ -369,7 +378,7 @@ def test_every_path_bitwise_equal_to_baseline_and_stock(case):
 ])
 def test_large_outputs_on_every_path(dtype, shape, data_format):
     """Outputs of 16 MiB and more: the 2x2 loops write dz (and, NHWC, y and the codes) with
-    streaming stores (relu_max_pool_cpu_impl.h StreamDz, StreamForward); every path still equals
+    streaming stores (relu_max_pool_cpu_kernels.cc StreamDz, StreamForward); every path still equals
     baseline and stock."""
     rng = np.random.default_rng(1)
     z_np = rng.integers(-3, 4, size=shape) + rng.normal(size=shape) * 0.5

@@ -145,8 +145,8 @@ class SerialRunner : public ParallelRunner {
   }
 };
 
-// Instruction sets the CPU kernels are compiled for (relu_max_pool_cpu.cc). Every path gives
-// bitwise identical results; they differ only in speed.
+// Instruction sets the CPU kernels are compiled for (relu_max_pool_cpu_kernels.cc, chosen in
+// relu_max_pool_cpu.cc). Every path gives bitwise identical results; they differ only in speed.
 enum class CpuIsa : int { kBaseline = 0, kAvx2 = 1, kAvx512 = 2 };
 // "baseline", "avx2", "avx512".
 const char* CpuIsaName(CpuIsa isa);

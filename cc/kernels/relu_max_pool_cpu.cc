@@ -1,122 +1,25 @@
-// CPU kernels for fused ReLU + max pooling, with run-time dispatch over instruction sets.
+// The CPU kernels' public entry points (relu_max_pool.h): run-time dispatch over instruction sets.
 //
-// The kernels (relu_max_pool_cpu_impl.h) are compiled here three times: for baseline x86-64
-// (SSE2, what the library is built for), and under `#pragma GCC target` for AVX2 and for AVX-512
-// (F, BW, VL, DQ), each copy in its own namespace. Each public entry point picks a copy at run
-// time from ActiveCpuIsa(). One translation unit, so the build (setup.py, BUILD, the Makefile's
-// test and GPU harness builds) compiles one file as before, with no per-file flags.
-//
-// Why pragmas and not per-file -mavx2 flags: functions from headers (std::vector, std::function,
-// numeric.h) are emitted as weak symbols by every object that uses them, and the linker keeps
-// one copy; compiled with -mavx2 in one object, that copy could run on a CPU without AVX2 and
-// die of SIGILL. Under the pragma only functions defined after it get the new target; the shared
-// header functions stay baseline (they are inlined into the target code where used there).
-// tests/test_cpu_dispatch.py checks the binary: AVX instructions appear only in functions of the
-// cpu_avx2 / cpu_avx512 namespaces.
-#include <algorithm>
+// The kernels (relu_max_pool_cpu_kernels.cc) are compiled once per instruction set: baseline
+// x86-64 (SSE2, what the library is built for), AVX2 and AVX-512 (F, BW, VL, DQ), each into its
+// own namespace (relu_max_pool_cpu_isa.h; the builds pass each compilation its define). Each
+// public entry point here picks one at run time from ActiveCpuIsa(): the best the CPU has, or the
+// one TF_RELUPOOL_CPU_ISA names.
 #include <atomic>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <mutex>
-#include <type_traits>
-#include <vector>
+#include <string>
 
 #include "relu_max_pool.h"
+#include "relu_max_pool_cpu_isa.h"
+#include "relu_max_pool_cpu_kernels.h"
 #if defined(__linux__)
 #include <sys/mman.h>
 #endif
 
-#if (defined(__x86_64__) || defined(_M_X64)) && defined(__GNUC__) && \
-    (defined(__clang__) || __GNUC__ >= 12)
-// GCC >= 12 / Clang: target pragmas, vector extensions with __builtin_convertvector and
-// __builtin_cpu_supports. Anything else builds the baseline path alone.
-#define TFRP_CPU_MULTI_ISA 1
-#include <immintrin.h>
-#else
-#define TFRP_CPU_MULTI_ISA 0
-#endif
-
-// The 64- and 128-byte vectors of the SIMD code are passed only between inlined functions of
-// internal linkage: GCC's note that their calling convention differs between targets is moot.
-#pragma GCC diagnostic ignored "-Wpsabi"
-
 namespace tf_relupool {
-
-#if TFRP_CPU_MULTI_ISA
-// ---- Baseline x86-64: SSE2 ----
-namespace cpu_baseline {
-namespace {
-#define TFRP_CPU_VEC_BYTES 16
-#define TFRP_CPU_ISA_AVX2 0
-#define TFRP_CPU_ISA_AVX512 0
-#include "relu_max_pool_cpu_simd.h"
-#include "relu_max_pool_cpu_impl.h"
-#undef TFRP_CPU_VEC_BYTES
-#undef TFRP_CPU_ISA_AVX2
-#undef TFRP_CPU_ISA_AVX512
-#undef TFRP_VEC_INLINE
-}  // namespace
-}  // namespace cpu_baseline
-
-// ---- AVX2 ----
-#pragma GCC push_options
-#pragma GCC target("avx2")
-#ifdef __clang__
-#pragma clang attribute push(__attribute__((target("avx2"))), apply_to = function)
-#endif
-namespace cpu_avx2 {
-namespace {
-#define TFRP_CPU_VEC_BYTES 32
-#define TFRP_CPU_ISA_AVX2 1
-#define TFRP_CPU_ISA_AVX512 0
-#include "relu_max_pool_cpu_simd.h"
-#include "relu_max_pool_cpu_impl.h"
-#undef TFRP_CPU_VEC_BYTES
-#undef TFRP_CPU_ISA_AVX2
-#undef TFRP_CPU_ISA_AVX512
-#undef TFRP_VEC_INLINE
-}  // namespace
-}  // namespace cpu_avx2
-#ifdef __clang__
-#pragma clang attribute pop
-#endif
-#pragma GCC pop_options
-
-// ---- AVX-512 (F, BW, VL, DQ: Skylake-SP and later, Zen 4 and later) ----
-#pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq")
-#ifdef __clang__
-#pragma clang attribute push(__attribute__((target("avx512f,avx512bw,avx512vl,avx512dq"))), \
-                             apply_to = function)
-#endif
-namespace cpu_avx512 {
-namespace {
-#define TFRP_CPU_VEC_BYTES 64
-#define TFRP_CPU_ISA_AVX2 0
-#define TFRP_CPU_ISA_AVX512 1
-#include "relu_max_pool_cpu_simd.h"
-#include "relu_max_pool_cpu_impl.h"
-#undef TFRP_CPU_VEC_BYTES
-#undef TFRP_CPU_ISA_AVX2
-#undef TFRP_CPU_ISA_AVX512
-#undef TFRP_VEC_INLINE
-}  // namespace
-}  // namespace cpu_avx512
-#ifdef __clang__
-#pragma clang attribute pop
-#endif
-#pragma GCC pop_options
-
-#else  // !TFRP_CPU_MULTI_ISA: the general loops alone (no vector extensions needed).
-namespace cpu_baseline {
-namespace {
-#define TFRP_CPU_NO_SIMD 1
-#include "relu_max_pool_cpu_impl.h"
-#undef TFRP_CPU_NO_SIMD
-}  // namespace
-}  // namespace cpu_baseline
-#endif
 
 // ---- Choosing the path ----
 namespace {
@@ -219,7 +122,7 @@ std::string SetCpuIsa(CpuIsa isa) {
 // path (16 lanes > 14 columns) and 0.74 ms on the AVX2 path; 14x14 planes 15.6 ms on AVX-512 or
 // AVX2 and 3.1 ms on the baseline path (4 lanes). Except NCHW 2x2 stride-2 rows on the AVX-512
 // path, whose loops take rows narrower than a vector themselves (several whole rows per vector,
-// or one masked vector per row: kPartialVectors, relu_max_pool_cpu_impl.h's FlatRows).
+// or one masked vector per row: kPartialVectors, relu_max_pool_cpu_2x2.h's FlatRows).
 #if TFRP_CPU_MULTI_ISA
 namespace {
 CpuIsa PathFor(const PoolParams& p) {
@@ -286,8 +189,7 @@ void ReluMaxPoolForwardWithArgmaxCpu(const PoolParams& p, const T* z, T* y, C* a
 
 int64_t BackwardFromInputWorkspaceBytes(const PoolParams& p) {
   if (p.windows_disjoint()) return 0;
-  return cpu_baseline::WithWorkspaceCodeType(
-      p, [&](auto c) { return p.out_elements() * int64_t(sizeof(c)); });
+  return WithWorkspaceCodeType(p, [&](auto c) { return p.out_elements() * int64_t(sizeof(c)); });
 }
 
 template <typename T>
@@ -326,20 +228,9 @@ void ReluMaxPoolGradGradFromArgmaxCpu(const PoolParams& p, const T* ddz, const C
                                                        const ParallelRunner&);                 \
   template void ReluMaxPoolGradGradFromArgmaxCpu<T, C>(const PoolParams&, const T*, const C*, T*, \
                                                        const ParallelRunner&);
-#define TFRP_INSTANTIATE_ALL_C(T) \
-  TFRP_INSTANTIATE_T(T)           \
-  TFRP_INSTANTIATE_TC(T, uint8_t) \
-  TFRP_INSTANTIATE_TC(T, uint16_t) \
-  TFRP_INSTANTIATE_TC(T, int32_t)
-
-TFRP_INSTANTIATE_ALL_C(float)
-TFRP_INSTANTIATE_ALL_C(double)
-TFRP_INSTANTIATE_ALL_C(Half)
-TFRP_INSTANTIATE_ALL_C(BFloat16)
-
-template int64_t FindInvalidArgmaxCpu<uint8_t>(const PoolParams&, const uint8_t*, const ParallelRunner&);
-template int64_t FindInvalidArgmaxCpu<uint16_t>(const PoolParams&, const uint16_t*, const ParallelRunner&);
-template int64_t FindInvalidArgmaxCpu<int32_t>(const PoolParams&, const int32_t*, const ParallelRunner&);
+#define TFRP_INSTANTIATE_C(C) \
+  template int64_t FindInvalidArgmaxCpu<C>(const PoolParams&, const C*, const ParallelRunner&);
+TFRP_CPU_FOR_EACH_TYPE(TFRP_INSTANTIATE_T, TFRP_INSTANTIATE_TC, TFRP_INSTANTIATE_C)
 
 }  // namespace tf_relupool
 

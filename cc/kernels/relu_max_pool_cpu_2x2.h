@@ -1,13 +1,28 @@
 // The explicit vector loops for 2x2 windows with stride 2 in float and bfloat16 (what CNN training
 // uses): forward (max and window code of kVecLanes outputs from four vector loads) and backward
 // (kVecLanes codes and dy values expanded into the four dz values of each window), with
-// prefetching and streaming stores. Part of relu_max_pool_cpu_impl.h, which includes it where it
-// stood (after the helpers it uses, before the entry points that call it).
+// prefetching and streaming stores. relu_max_pool_cpu_kernels.cc calls them for the rows whose
+// windows lie inside the input and takes the rest with its general loops.
 //
-// NO include guard, like relu_max_pool_cpu_impl.h: compiled once per instruction set inside that
-// file's namespace and `#pragma GCC target` region, on relu_max_pool_cpu_simd.h's primitives.
-// The rules of relu_max_pool_cpu_impl.h's header hold here: exact IEEE operations in a fixed
+// Compiled once per instruction set with the kernel source (relu_max_pool_cpu_isa.h), on
+// relu_max_pool_cpu_simd.h's primitives; without TFRP_CPU_SIMD, stubs that the general loops never
+// call. The rules of relu_max_pool_cpu_kernels.cc hold here: exact IEEE operations in a fixed
 // order, no a * b + c, no max/min instructions, bitwise equal to the general loops.
+#ifndef TF_RELUPOOL_CC_KERNELS_RELU_MAX_POOL_CPU_2X2_H_
+#define TF_RELUPOOL_CC_KERNELS_RELU_MAX_POOL_CPU_2X2_H_
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+
+#include "numeric.h"
+#include "relu_max_pool.h"
+#include "relu_max_pool_cpu_element.h"
+#include "relu_max_pool_cpu_isa.h"
+#include "relu_max_pool_cpu_simd.h"
+
+TFRP_CPU_TARGET_BEGIN
+namespace {
 
 // ---- 2x2 windows, stride 2 (float and bfloat16) ----
 //
@@ -17,7 +32,7 @@
 // relu_max_pool.h), else the sentinel. Routing a positive max to the FIRST position equal to it
 // is the scan's rule: later positions take over only when strictly greater.
 
-#ifdef TFRP_CPU_NO_SIMD
+#if !TFRP_CPU_SIMD
 // No vector extensions in this build: the general loops do everything.
 constexpr int kVecBytes = 4;
 constexpr int kVecLanes = 1;
@@ -159,7 +174,7 @@ TFRP_VEC_INLINE void PrefetchAhead(const T* p, int64_t bytes) {
 // vector. Their 4 * out_cols * k input values (at most 64) are loaded as four vectors, and
 // permutes pick each window's four values out of them; the outputs (y, codes, dy) of the k rows
 // are consecutive too. The backward puts the four window gradients back in place the same way.
-#if TFRP_CPU_ISA_AVX512
+#ifdef TFRP_CPU_ISA_AVX512
 // Lane i of the result: element idx[i] (0..63) of the 64 values in r[0..3].
 TFRP_VEC_INLINE VecF Pick64(const VecF r[4], VecU idx) {
   const __m512 lo = _mm512_permutex2var_ps(r[0], (__m512i)idx, r[1]);  // uses idx & 31
@@ -509,4 +524,9 @@ void Backward2x2Rows(const PoolParams& p, const T* __restrict z, const uint8_t* 
     }
   });
 }
-#endif  // TFRP_CPU_NO_SIMD
+#endif  // TFRP_CPU_SIMD
+
+}  // namespace
+TFRP_CPU_TARGET_END
+
+#endif  // TF_RELUPOOL_CC_KERNELS_RELU_MAX_POOL_CPU_2X2_H_

@@ -1,8 +1,6 @@
-// Per-ISA vector primitives for the CPU kernels (relu_max_pool_cpu_impl.h).
-//
-// NO include guard: relu_max_pool_cpu.cc includes this once per instruction set, inside that
-// set's namespace and `#pragma GCC target` region, after defining TFRP_CPU_VEC_BYTES (16: SSE2,
-// 32: AVX2, 64: AVX-512) and TFRP_CPU_ISA_AVX2 / TFRP_CPU_ISA_AVX512 (0 or 1).
+// Per-ISA vector primitives for the CPU kernels' 2x2 loops (relu_max_pool_cpu_2x2.h), for the
+// instruction set this compilation targets (relu_max_pool_cpu_isa.h): 16-byte vectors for SSE2,
+// 32 for AVX2, 64 for AVX-512. Empty without TFRP_CPU_SIMD (no vector extensions).
 //
 // The vectors are GCC/Clang vector extensions of one register's width: every operation on them is
 // the same IEEE operation as the scalar code's, lane by lane (compare, select, add, multiply by
@@ -11,9 +9,29 @@
 // __builtin_convertvector between those widths to element-by-element code or split halves) and
 // streaming stores.
 
+#ifndef TF_RELUPOOL_CC_KERNELS_RELU_MAX_POOL_CPU_SIMD_H_
+#define TF_RELUPOOL_CC_KERNELS_RELU_MAX_POOL_CPU_SIMD_H_
+
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+
+#include "numeric.h"
+#include "relu_max_pool_cpu_isa.h"
+
 // Everything here and the per-element helpers of the 2x2 loops are forced inline: GCC otherwise
 // leaves some of them out of line inside the big loop bodies, passing vectors through memory.
 #define TFRP_VEC_INLINE inline __attribute__((always_inline))
+
+#if TFRP_CPU_SIMD
+#include <immintrin.h>
+
+// The 64- and 128-byte vectors of the SIMD code are passed only between inlined functions of
+// internal linkage: GCC's note that their calling convention differs between targets is moot.
+#pragma GCC diagnostic ignored "-Wpsabi"
+
+TFRP_CPU_TARGET_BEGIN
+namespace {
 
 constexpr int kVecBytes = TFRP_CPU_VEC_BYTES;
 constexpr int kVecLanes = kVecBytes / 4;  // 32-bit lanes per vector: 4, 8 or 16
@@ -64,7 +82,7 @@ TFRP_VEC_INLINE void PutVec(void* p, const V& v, size_t skip = 0) {
     if constexpr (kChunk == 16) {
       _mm_stream_si128(reinterpret_cast<__m128i*>(q),
                        _mm_loadu_si128(reinterpret_cast<const __m128i*>(src)));
-#if TFRP_CPU_ISA_AVX2 || TFRP_CPU_ISA_AVX512
+#if defined(TFRP_CPU_ISA_AVX2) || defined(TFRP_CPU_ISA_AVX512)
     } else if constexpr (kChunk == 32) {
       _mm256_stream_si256(reinterpret_cast<__m256i*>(q),
                           _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src)));
@@ -80,10 +98,10 @@ TFRP_VEC_INLINE void StreamFence() { _mm_sfence(); }
 
 // kVecLanes bytes <-> 32-bit lanes (values 0..255).
 TFRP_VEC_INLINE VecU WidenBytes(const uint8_t* p) {
-#if TFRP_CPU_ISA_AVX512
+#ifdef TFRP_CPU_ISA_AVX512
   // The maskz forms: GCC 12's plain ones start from an "undefined" vector and warn about it.
   return (VecU)_mm512_maskz_cvtepu8_epi32(0xffff, _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-#elif TFRP_CPU_ISA_AVX2
+#elif defined(TFRP_CPU_ISA_AVX2)
   return (VecU)_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
 #else
   int32_t word;
@@ -94,9 +112,9 @@ TFRP_VEC_INLINE VecU WidenBytes(const uint8_t* p) {
 }
 template <bool kStream>
 TFRP_VEC_INLINE void NarrowToBytes(VecU v, uint8_t* p) {
-#if TFRP_CPU_ISA_AVX512
+#ifdef TFRP_CPU_ISA_AVX512
   PutVec<kStream>(p, _mm512_maskz_cvtepi32_epi8(0xffff, (__m512i)v));
-#elif TFRP_CPU_ISA_AVX2
+#elif defined(TFRP_CPU_ISA_AVX2)
   const __m128i lo = _mm256_castsi256_si128((__m256i)v);
   const __m128i hi = _mm256_extracti128_si256((__m256i)v, 1);
   const __m128i w = _mm_packs_epi32(lo, hi);  // values <= 255: no saturation
@@ -111,9 +129,9 @@ TFRP_VEC_INLINE void NarrowToBytes(VecU v, uint8_t* p) {
 // kVecLanes 16-bit values <-> 32-bit lanes (zero-extended; narrowing keeps the low 16 bits of
 // lanes that hold values below 2^16). GCC splits these conversions into halves otherwise.
 TFRP_VEC_INLINE VecU Widen16(const void* p) {
-#if TFRP_CPU_ISA_AVX512
+#ifdef TFRP_CPU_ISA_AVX512
   return (VecU)_mm512_maskz_cvtepu16_epi32(0xffff, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-#elif TFRP_CPU_ISA_AVX2
+#elif defined(TFRP_CPU_ISA_AVX2)
   return (VecU)_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 #else
   return (VecU)_mm_unpacklo_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)), _mm_setzero_si128());
@@ -121,9 +139,9 @@ TFRP_VEC_INLINE VecU Widen16(const void* p) {
 }
 template <bool kStream>
 TFRP_VEC_INLINE void Narrow16(VecU v, void* p, size_t skip = 0) {
-#if TFRP_CPU_ISA_AVX512
+#ifdef TFRP_CPU_ISA_AVX512
   PutVec<kStream>(p, _mm512_maskz_cvtepi32_epi16(0xffff, (__m512i)v), skip);
-#elif TFRP_CPU_ISA_AVX2
+#elif defined(TFRP_CPU_ISA_AVX2)
   const __m256i w = _mm256_packus_epi32((__m256i)v, (__m256i)v);  // per 128-bit half
   PutVec<kStream>(p, _mm256_castsi256_si128(_mm256_permute4x64_epi64(w, 0x08)), skip);
 #else
@@ -136,7 +154,7 @@ TFRP_VEC_INLINE void Narrow16(VecU v, void* p, size_t skip = 0) {
 // Rows narrower than a vector (an NCHW row of a small image) take one partial vector where the
 // instruction set has masked loads and stores (AVX-512): the first n <= kVecLanes lanes are read
 // and written, the others read as 0 (a masked load never faults on them) and are not stored.
-#if TFRP_CPU_ISA_AVX512
+#ifdef TFRP_CPU_ISA_AVX512
 constexpr bool kPartialVectors = true;
 TFRP_VEC_INLINE __mmask16 FirstLanes(int64_t n) { return static_cast<__mmask16>((1u << n) - 1); }
 template <typename = void>  // a template, like the declaration-only version below
@@ -196,7 +214,7 @@ struct VecType<float> {
         __builtin_convertvector(even, VecU64) | (__builtin_convertvector(odd, VecU64) << 32);
     PutVec<kStream>(p, pairs, skip);
   }
-#if TFRP_CPU_ISA_AVX512
+#ifdef TFRP_CPU_ISA_AVX512
   static TFRP_VEC_INLINE VecF LoadPartial(const float* p, int64_t n) {
     return _mm512_maskz_loadu_ps(FirstLanes(n), p);
   }
@@ -258,7 +276,7 @@ struct VecType<BFloat16> {
   static TFRP_VEC_INLINE void StorePairs(BFloat16* p, VecU even, VecU odd, size_t skip = 0) {
     PutVec<kStream>(p, even | (odd << 16), skip);
   }
-#if TFRP_CPU_ISA_AVX512
+#ifdef TFRP_CPU_ISA_AVX512
   static TFRP_VEC_INLINE VecF LoadPartial(const BFloat16* p, int64_t n) {
     const __m256i bits = _mm256_maskz_loadu_epi16(FirstLanes(n), p);
     return (VecF)((VecU)_mm512_maskz_cvtepu16_epi32(0xffff, bits) << 16);
@@ -279,3 +297,9 @@ struct VecType<BFloat16> {
   }
 #endif
 };
+
+}  // namespace
+TFRP_CPU_TARGET_END
+#endif  // TFRP_CPU_SIMD
+
+#endif  // TF_RELUPOOL_CC_KERNELS_RELU_MAX_POOL_CPU_SIMD_H_

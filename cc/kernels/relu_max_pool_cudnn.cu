@@ -124,7 +124,7 @@ __global__ void ReluKernel(const T* __restrict__ z, T* __restrict__ out, int64_t
 }
 
 // Stock ReluGrad: g * (relu(z) > 0 ? 1 : 0), in T's arithmetic (MaskAcc in
-// relu_max_pool_cpu_impl.h).
+// relu_max_pool_cpu_element.h).
 template <typename T>
 __global__ void ReluGradKernel(T* __restrict__ g, const T* __restrict__ features, int64_t n) {
   using A = typename ValueTraits<T>::Acc;

@@ -8,7 +8,7 @@
 //    each dz element exactly once.
 //  - Generic*: any window, stride, padding and layout. The forward has one thread per pooled
 //    element; the backward one thread per input element that gathers, in output (row-major window)
-//    order, the gradients routed to it, like GatherBackward in relu_max_pool_cpu_impl.h. Where
+//    order, the gradients routed to it, like GatherBackward in relu_max_pool_cpu_kernels.cc. Where
 //    windows overlap, the keep-z backward first writes the window codes into the caller's
 //    workspace.
 // Both reproduce the CPU code's comparisons and roundings step by step (see relu_max_pool.h).
@@ -651,7 +651,7 @@ cudaError_t Finish() {
   return cudaGetLastError();
 }
 
-// The narrowest workspace code type, as in relu_max_pool_cpu_impl.h (WithWorkspaceCodeType).
+// The narrowest workspace code type, as in relu_max_pool_cpu_kernels.h (WithWorkspaceCodeType).
 template <typename Fn>
 cudaError_t WithWorkspaceCodeType(const PoolParams& p, Fn fn) {
   if (p.code_positions < CodeTraits<uint8_t>::kSentinel) return fn(uint8_t{});

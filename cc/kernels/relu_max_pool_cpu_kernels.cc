@@ -1,13 +1,13 @@
-// CPU kernels for fused ReLU + max pooling; the reference the CUDA kernels are checked against.
+// The CPU kernels for fused ReLU + max pooling; the reference the CUDA kernels are checked against.
 //
-// NO include guard: relu_max_pool_cpu.cc includes this file once per instruction set (baseline
-// x86-64, AVX2, AVX-512), each time inside its own namespace and `#pragma GCC target` region,
-// after relu_max_pool_cpu_simd.h, and dispatches at run time. One source for every path, so the
-// paths cannot drift apart; they are bitwise identical because every operation here is an exact
-// IEEE operation (compare, select by bits, add, multiply by 0 or 1) done in a fixed order,
-// whatever the vector width. Keep it so: no a * b + c anywhere (the AVX-512 target allows FMA,
-// and every build passes -ffp-contract=off as a second guard), no reassociated sums, no max/min
-// instructions (SelectValue says why).
+// Compiled once per instruction set (baseline x86-64, AVX2, AVX-512: relu_max_pool_cpu_isa.h
+// names the defines the build passes, and the namespace and target each gets); relu_max_pool_cpu.cc
+// dispatches to the entry points (relu_max_pool_cpu_kernels.h) at run time. One source for every
+// path, so the paths cannot drift apart; they are bitwise identical because every operation here
+// is an exact IEEE operation (compare, select by bits, add, multiply by 0 or 1) done in a fixed
+// order, whatever the vector width. Keep it so: no a * b + c anywhere (the AVX-512 target allows
+// FMA, and every build passes -ffp-contract=off as a second guard), no reassociated sums, no
+// max/min instructions (SelectValue, relu_max_pool_cpu_element.h, says why).
 //
 // Layout: (images x rows x cols x lanes), see PoolParams. Loops keep lanes innermost so that NHWC
 // channels vectorise. Work is split over (image, row) units; each unit writes a disjoint part of
@@ -15,97 +15,33 @@
 //
 // Two kinds of loops:
 //  - general ones (any window, stride, padding, dtype), written in plain C++ for the compiler to
-//    vectorise along lanes (NHWC) or output columns (NCHW interior windows);
+//    vectorise along lanes (NHWC) or output columns (NCHW interior windows), here;
 //  - for 2x2 windows with stride 2 in float and bfloat16 (what CNN training uses), explicit
-//    vector loops (relu_max_pool_cpu_2x2.h, included below, on relu_max_pool_cpu_simd.h's
-//    primitives) that read each input once and write each output
-//    once with no intermediate buffers: the forward computes the max and the window code of
-//    kVecLanes outputs from four vector loads; the backward expands kVecLanes codes and dy
-//    values into the four dz values of each window. They prefetch z ahead and write outputs
-//    far larger than the caches with streaming stores. Windows clipped by the input's edge
-//    (odd sizes) go through the general loops.
+//    vector loops (relu_max_pool_cpu_2x2.h, on relu_max_pool_cpu_simd.h's primitives) that read
+//    each input once and write each output once with no intermediate buffers: the forward
+//    computes the max and the window code of kVecLanes outputs from four vector loads; the
+//    backward expands kVecLanes codes and dy values into the four dz values of each window. They
+//    prefetch z ahead and write outputs far larger than the caches with streaming stores. Windows
+//    clipped by the input's edge (odd sizes) go through the general loops.
+#include "relu_max_pool_cpu_isa.h"
 
-template <typename T>
-using Acc = typename ValueTraits<T>::Acc;
+#if TFRP_CPU_ISA_COMPILED
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+#include <vector>
 
-// take ? a : b on integers, without a branch.
-template <typename I>
-inline I SelectBits(bool take, I a, I b) {
-  const I mask = static_cast<I>(-static_cast<I>(take));
-  return static_cast<I>((a & mask) | (b & ~mask));
-}
+#include "numeric.h"
+#include "relu_max_pool.h"
+#include "relu_max_pool_cpu_2x2.h"
+#include "relu_max_pool_cpu_element.h"
+#include "relu_max_pool_cpu_kernels.h"
+#include "relu_max_pool_cpu_simd.h"
 
-// Unsigned integer of T's size: selects of T values vectorise as bit operations (T may be a
-// 16-bit struct). AliasBits is the same type, allowed to alias T for writing T's buffers.
-template <int N>
-struct UIntOf;
-template <>
-struct UIntOf<2> {
-  using type = uint16_t;
-  typedef uint16_t __attribute__((may_alias)) alias;
-};
-template <>
-struct UIntOf<4> {
-  using type = uint32_t;
-  typedef uint32_t __attribute__((may_alias)) alias;
-};
-template <>
-struct UIntOf<8> {
-  using type = uint64_t;
-  typedef uint64_t __attribute__((may_alias)) alias;
-};
-template <typename T>
-using Bits = typename UIntOf<sizeof(T)>::type;
-template <typename T>
-using AliasBits = typename UIntOf<sizeof(T)>::alias;
-
-template <typename T>
-inline Bits<T> ToBits(T v) {
-  Bits<T> b;
-  std::memcpy(&b, &v, sizeof(b));
-  return b;
-}
-template <typename T>
-inline T FromBits(Bits<T> b) {
-  T v;
-  std::memcpy(&v, &b, sizeof(v));
-  return v;
-}
-
-// take ? a : b for compared float values, selected by their bits. Never `take ? a : b` on the
-// floats themselves where take compares a and b: GCC turns that into a max instruction (or not:
-// it depends on the vector width), and the two differ under denormals-are-zero, which TensorFlow
-// sets in the threads that run ops: compares then see a denormal as zero, a select keeps its
-// bits, a max returns it flushed to zero. Selects keep every instruction-set path bitwise
-// identical, and give stock's result where stock is consistent (its bfloat16 max pooling keeps a
-// denormal's bits). tests/test_cpu_dispatch.py checks that the kernels hold no max/min.
-template <typename A>
-inline A SelectValue(bool take, A a, A b) {
-  return FromBits<A>(SelectBits<Bits<A>>(take, ToBits(a), ToBits(b)));
-}
-
-// ReLU as std::max(v, 0): negative -> +0, -0 and NaN kept. This is what stock Relu does for
-// half and bfloat16 everywhere, and for float/double outside Eigen's vector packets (inside them
-// it gives +0 for -0, so stock's sign of a zero result depends on the element's position).
-template <typename A>
-inline A Relu(A v) {
-  return SelectValue(v < A(0), A(0), v);
-}
-
-// z[i] in the arithmetic type. 16-bit types are loaded as plain integers: GCC does not vectorise
-// loads of the Half/BFloat16 structs.
-template <typename T>
-inline Acc<T> LoadAcc(const T* z, int64_t i) {
-  return ValueTraits<T>::ToAcc(z[i]);
-}
-template <>
-inline float LoadAcc<Half>(const Half* z, int64_t i) {
-  return HalfToFloat(reinterpret_cast<const AliasBits<Half>*>(z)[i]);
-}
-template <>
-inline float LoadAcc<BFloat16>(const BFloat16* z, int64_t i) {
-  return BFloat16ToFloat(reinterpret_cast<const AliasBits<BFloat16>*>(z)[i]);
-}
+TFRP_CPU_TARGET_BEGIN
+namespace {
 
 // Rough cycles per element, for the runner's split.
 constexpr int64_t kCyclesPerElement = 4;
@@ -225,16 +161,6 @@ struct RowScan {
   }
 };
 
-template <typename T>
-inline T AddAcc(T a, T b) {
-  return ValueTraits<T>::FromAcc(ValueTraits<T>::ToAcc(a) + ValueTraits<T>::ToAcc(b));
-}
-// Stock ReluGrad's multiply by (relu(z) > 0 ? 1 : 0).
-template <typename T>
-inline T MaskAcc(T a, bool keep) {
-  return ValueTraits<T>::FromAcc(ValueTraits<T>::ToAcc(a) * static_cast<Acc<T>>(keep));
-}
-
 // Input rows [*begin, *end) owned by output row `out_row` when windows are disjoint: the rows
 // from its window start to the next window's start, the first and last rows extended to the edges.
 inline void RowBand(const PoolParams& p, int64_t out_row, int64_t* begin, int64_t* end) {
@@ -249,9 +175,6 @@ void FillZero(T* data, int64_t n, const ParallelRunner& runner) {
   runner.For(n, 1, [&](int64_t b, int64_t e) { std::memset(data + b, 0, (e - b) * sizeof(T)); });
 }
 
-
-// ---- 2x2 windows, stride 2 (float and bfloat16): relu_max_pool_cpu_2x2.h ----
-#include "relu_max_pool_cpu_2x2.h"
 
 // The run of output rows [u, end') starting at u whose windows the 2x2 loops take (end' == u when
 // row u is not one): rows below full_rows of u's image, or up to `end` when every row is full.
@@ -613,15 +536,17 @@ void OverlappingBackward(const PoolParams& p, const T* dy, const C* argmax, T* d
   GatherBackward<T, C>(p, dy, argmax, dz, runner);
 }
 
-// The narrowest code type for the keep-z backward's workspace.
-template <typename Fn>
-auto WithWorkspaceCodeType(const PoolParams& p, Fn fn) {
-  if (p.code_positions < ArgmaxSentinel<uint8_t>()) return fn(uint8_t{});
-  if (p.code_positions < ArgmaxSentinel<uint16_t>()) return fn(uint16_t{});
-  return fn(int32_t{});
+// True when no window is clipped by the input's edges: then a code is valid exactly when it is
+// the sentinel or below code_positions, which one pass over the codes checks.
+inline bool AllWindowsInside(const PoolParams& p) {
+  return p.pad_top == 0 && p.pad_left == 0 &&
+         (p.out_rows == 0 || (p.out_rows - 1) * p.stride_rows <= p.in_rows - p.window_rows) &&
+         (p.out_cols == 0 || (p.out_cols - 1) * p.stride_cols <= p.in_cols - p.window_cols);
 }
 
-// ---- Entry points (called by relu_max_pool_cpu.cc's dispatch) ----
+}  // namespace
+
+// ---- Entry points (relu_max_pool_cpu_kernels.h) ----
 
 template <typename T>
 void Forward(const PoolParams& p, const T* z, T* y, const ParallelRunner& runner) {
@@ -674,14 +599,6 @@ void BackwardFromInput(const PoolParams& p, const T* z, const T* dy, T* dz, void
           }
         }
       });
-}
-
-// True when no window is clipped by the input's edges: then a code is valid exactly when it is
-// the sentinel or below code_positions, which one pass over the codes checks.
-inline bool AllWindowsInside(const PoolParams& p) {
-  return p.pad_top == 0 && p.pad_left == 0 &&
-         (p.out_rows == 0 || (p.out_rows - 1) * p.stride_rows <= p.in_rows - p.window_rows) &&
-         (p.out_cols == 0 || (p.out_cols - 1) * p.stride_cols <= p.in_cols - p.window_cols);
 }
 
 template <typename C>
@@ -797,3 +714,20 @@ void GradGradFromArgmax(const PoolParams& p, const T* ddz, const C* argmax, T* d
   });
 }
 
+#define TFRP_INSTANTIATE_T(T)                                                                   \
+  template void Forward<T>(const PoolParams&, const T*, T*, const ParallelRunner&);             \
+  template void BackwardFromInput<T>(const PoolParams&, const T*, const T*, T*, void*,          \
+                                     const ParallelRunner&);
+#define TFRP_INSTANTIATE_TC(T, C)                                                               \
+  template void ForwardWithArgmax<T, C>(const PoolParams&, const T*, T*, C*,                    \
+                                        const ParallelRunner&);                                 \
+  template void BackwardFromArgmax<T, C>(const PoolParams&, const T*, const C*, T*,             \
+                                         const ParallelRunner&);                                \
+  template void GradGradFromArgmax<T, C>(const PoolParams&, const T*, const C*, T*,             \
+                                         const ParallelRunner&);
+#define TFRP_INSTANTIATE_C(C) \
+  template int64_t FindInvalidArgmax<C>(const PoolParams&, const C*, const ParallelRunner&);
+TFRP_CPU_FOR_EACH_TYPE(TFRP_INSTANTIATE_T, TFRP_INSTANTIATE_TC, TFRP_INSTANTIATE_C)
+
+TFRP_CPU_TARGET_END
+#endif  // TFRP_CPU_ISA_COMPILED
