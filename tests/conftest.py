@@ -412,13 +412,24 @@ def derivatives(f, z, dy, ddz, g=None):
 
 
 @pytest.fixture
-def switch_off():
-    """The switch off before and after the test (modules take it with
-    `pytestmark = pytest.mark.usefixtures("switch_off")`)."""
+def switch_off(monkeypatch):
+    """The switch off before and after the test, and the process's XLA_FLAGS left as the test
+    found them (modules take it with `pytestmark = pytest.mark.usefixtures("switch_off")`).
+    Turning the switch on points XLA at the persistent autotune cache through XLA_FLAGS
+    (autotune_cache.install, once per process, while TensorFlow has not started), which would
+    otherwise stay in os.environ for the tests that follow and their subprocesses (the workers of
+    test_distribute.py), depending on which test first turned the switch on."""
     import tf_relupool
+    from tf_relupool import autotune_cache
+    monkeypatch.setattr(autotune_cache, "_state", dict(autotune_cache._state))
+    xla_flags = os.environ.get("XLA_FLAGS")
     tf_relupool.disable_recompute()
     yield
     tf_relupool.disable_recompute()
+    if xla_flags is None:
+        os.environ.pop("XLA_FLAGS", None)
+    else:
+        os.environ["XLA_FLAGS"] = xla_flags
 
 
 def xla_temp_and_digest(model, size, batch, variants, tmp_path, head="softmax"):
