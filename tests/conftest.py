@@ -54,8 +54,10 @@ def from_nhwc(x, data_format):
     return x if data_format == "NHWC" else tf.transpose(x, [0, 3, 1, 2])
 
 
-def _spatial_pair(value, data_format):
-    """(rows, cols) of a window/stride argument in any form tf.nn.max_pool2d accepts."""
+def spatial_pair(value, data_format):
+    """(rows, cols) of a window/stride argument in any form tf.nn.max_pool2d accepts. Written
+    here, not taken from tf_relupool/_geometry.py: the stock references are built from it, so a
+    misreading in the package's normalize_window must not reach both sides of a comparison."""
     if isinstance(value, (int, np.integer)):
         return int(value), int(value)
     value = [int(v) for v in value]
@@ -64,6 +66,14 @@ def _spatial_pair(value, data_format):
     if len(value) == 2:
         return value[0], value[1]
     return tuple(value[1:3]) if data_format == "NHWC" else tuple(value[2:4])
+
+
+def nhwc_window(value, data_format):
+    """A ksize/strides argument of pool_cases in the form for an NHWC call (a 4-entry NCHW one
+    reordered)."""
+    if data_format == "NCHW" and isinstance(value, list) and len(value) == 4:
+        return [value[0], value[2], value[3], value[1]]
+    return value
 
 
 def nhwc_padding(padding, data_format):
@@ -92,7 +102,7 @@ def window_grid(h, w, ksize, strides, padding, data_format):
     """window_bounds along rows and columns of an h x w plane for a pooling call's arguments
     (ksize/strides in any tf.nn.max_pool2d form, padding a string or explicit pairs in
     data_format order): ((r0, r1), (c0, c1))."""
-    (kh, kw), (sh, sw) = _spatial_pair(ksize, data_format), _spatial_pair(strides, data_format)
+    (kh, kw), (sh, sw) = spatial_pair(ksize, data_format), spatial_pair(strides, data_format)
     pads = nhwc_padding(padding, data_format)
     rows, cols = ((0, 0), (0, 0)) if isinstance(pads, str) else (pads[1], pads[2])
     return window_bounds(h, kh, sh, padding, rows), window_bounds(w, kw, sw, padding, cols)
@@ -157,15 +167,12 @@ def stock_forward_and_grad(z, dy, ksize, strides, padding, data_format, defined=
     all-NaN windows, where stock differs between machines, are checked to be one of stock's
     values and replaced by the definition (defined_pool_output); the gradient is stock's.
     """
-    ksize4, strides4 = ksize, strides
-    if data_format == "NCHW":
-        # 4-entry NCHW windows/strides in NHWC order for the transposed stock call.
-        ksize4, strides4 = [[v[0], v[2], v[3], v[1]] if isinstance(v, list) and len(v) == 4 else v
-                            for v in (ksize, strides)]
     with tf.device("/CPU:0"):
         with tf.GradientTape() as tape:
             tape.watch(z)
-            y = from_nhwc(tf.nn.max_pool2d(tf.nn.relu(to_nhwc(z, data_format)), ksize4, strides4,
+            y = from_nhwc(tf.nn.max_pool2d(tf.nn.relu(to_nhwc(z, data_format)),
+                                           nhwc_window(ksize, data_format),
+                                           nhwc_window(strides, data_format),
                                            nhwc_padding(padding, data_format),
                                            data_format="NHWC"), data_format)
         dz = tape.gradient(y, z, output_gradients=dy) if dy is not None else None
