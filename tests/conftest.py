@@ -376,6 +376,26 @@ def xla_train_step(model, x, y):
     return step, step(x, y)
 
 
+def sgd_step(model, lr, from_logits=True, name=None):
+    """A jit-compiled SGD step of `model` on (x, y): the mean sparse categorical cross-entropy,
+    its gradients for the trainable variables, each variable moved by -lr times its gradient;
+    returns (loss, gradients). `name`: the function's name, which XLA's module names carry."""
+    import keras
+    tvars = model.trainable_variables
+
+    def step(x, y):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(keras.losses.sparse_categorical_crossentropy(
+                y, model(x, training=True), from_logits=from_logits))
+        grads = tape.gradient(loss, tvars)
+        for v, g in zip(tvars, grads):
+            v.assign_sub(lr * g)
+        return loss, grads
+    if name:
+        step.__name__ = name
+    return tf.function(step, jit_compile=True)
+
+
 def forward_tensors_the_backward_reads(fn, shape):
     """The non-constant tensors of the forward pass of fn (z of `shape`, traced inside an
     XLA-compiled function) that ops of the backward pass read: what is kept between them."""
