@@ -474,12 +474,12 @@ def xla_temp_and_digest(model, size, batch, variants, tmp_path, head="softmax"):
                           capture_output=True, text=True, timeout=900, cwd=here, env=env)
     lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, proc.stderr[-3000:]
-    xla_buffers = benchmarks_module("xla_buffers")
+    from tf_relupool import _harness
     temps = {}
     for variant in variants.split(","):
         sizes = [s for name in os.listdir(dump)
                  if f"digest_step_{variant}" in name and name.endswith("buffer-assignment.txt")
-                 for _, s, kind in xla_buffers.allocations(os.path.join(dump, name))
+                 for _, s, kind in _harness.xla_allocations(os.path.join(dump, name))
                  if "preallocated-temp" in kind]
         assert sizes, (variant, sorted(os.listdir(dump))[:20])
         temps[variant] = max(sizes)
