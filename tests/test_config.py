@@ -9,7 +9,7 @@ import pytest
 import tensorflow as tf
 
 import tf_relupool
-from tf_relupool import _clib, _state, autotune_cache, config, grappler
+from tf_relupool import _clib, _state, config, grappler
 from conftest import forward_and_input_grad, xla_hlo
 
 
