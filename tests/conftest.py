@@ -280,9 +280,19 @@ def global_policy(name):
         keras.mixed_precision.set_global_policy("float32")
 
 
+def benchmark_cli(name, *args, timeout=120):
+    """benchmarks/<name>.py run with `args` in a fresh process, as a user runs it (the
+    CompletedProcess, output as text)."""
+    import subprocess
+    return subprocess.run([sys.executable, os.path.join(BENCHMARKS, name + ".py"), *args],
+                          capture_output=True, text=True, timeout=timeout)
+
+
 def benchmarks_module(name):
-    """A benchmarks/ script as a module (none imports TensorFlow at module level); benchmarks/
-    goes on sys.path, where the scripts find harness.py."""
+    """A benchmarks/ script as a module, for tests of its own logic (its report, its arguments'
+    values); what the package shares with the scripts is tf_relupool/_harness.py's, and a
+    script's command line runs in a subprocess (benchmark_cli). None imports TensorFlow at module
+    level; benchmarks/ goes on sys.path, where the scripts find harness.py."""
     if BENCHMARKS not in sys.path:
         sys.path.insert(0, BENCHMARKS)
     spec = importlib.util.spec_from_file_location(name, os.path.join(BENCHMARKS, name + ".py"))

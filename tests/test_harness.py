@@ -12,7 +12,7 @@ import sys
 import pytest
 
 from tf_relupool import _harness as harness
-from conftest import benchmarks_module
+from conftest import benchmark_cli, benchmarks_module
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCHMARKS = os.path.join(ROOT, "benchmarks")
@@ -119,11 +119,13 @@ def test_device_probe_without_a_gpu():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=120, cwd=BENCHMARKS)
     assert out.returncode == 0 and out.stdout.split() == ["cpu", "False"], out.stderr[-2000:]
-    probe = os.path.join(BENCHMARKS, "harness.py")
-    dev, proc = harness.run_worker([sys.executable, probe, "cpu"], timeout=300)
-    assert dev and dev["kind"] == "cpu" and dev["name"] == "CPU:0", (dev, proc.stderr[-2000:])
+    cpu = benchmark_cli("harness", "cpu", timeout=300)
+    dev = harness.read_result(cpu.stdout)
+    assert cpu.returncode == 0 and dev["kind"] == "cpu" and dev["name"] == "CPU:0", cpu.stderr
+    gpu = benchmark_cli("harness", "gpu", timeout=300)
+    assert gpu.returncode == 3
     with pytest.raises(harness.DeviceError, match="no GPU visible"):
-        harness.run_worker([sys.executable, probe, "gpu"], timeout=300)
+        harness.read_result(gpu.stdout)
 
 
 def test_library_built_names_the_op_library(tmp_path, monkeypatch):
@@ -157,8 +159,8 @@ def test_distributed_memory_arguments_are_checked():
                 ["--replicas", "3"],                       # 512 is no multiple of 3
                 ["--device", "cpu", "--search-models", "simple"],
                 ["--search-variants", "on"]):
-        with pytest.raises(SystemExit):
-            dm.parse_args(bad)
+        p = benchmark_cli("distributed_memory", *bad)
+        assert p.returncode == 2 and "error:" in p.stderr, (bad, p.returncode, p.stderr[-2000:])
 
 
 def test_distributed_memory_table_flags_losses_that_differ():

@@ -9,10 +9,7 @@ import sys
 import pytest
 
 from tf_relupool import _harness
-from conftest import benchmarks_module
-
-XLA_BUFFERS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                           "benchmarks", "xla_buffers.py")
+from conftest import benchmark_cli, benchmarks_module
 
 lb = benchmarks_module("largest_batch")
 
@@ -138,9 +135,8 @@ def test_levers_for_a_smaller_gpu_and_the_allocator():
 @pytest.mark.parametrize("argv", [["--models", "nope"], ["--variants", "default+x"],
                                   ["--memory-limit", "vgg16"], ["--jobs", "0"]])
 def test_bad_arguments_are_errors(argv):
-    with pytest.raises(SystemExit) as e:
-        lb.parse_args(argv)
-    assert e.value.code == 2
+    p = benchmark_cli("largest_batch", *argv)
+    assert p.returncode == 2 and "error:" in p.stderr, (p.returncode, p.stderr[-2000:])
 
 
 def test_xla_buffers_reads_a_real_dump(tmp_path):
@@ -156,14 +152,12 @@ def test_xla_buffers_reads_a_real_dump(tmp_path):
                          timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip().endswith("6144.0")
-    report = subprocess.run([sys.executable, XLA_BUFFERS, str(tmp_path)], capture_output=True,
-                            text=True, timeout=120)
+    report = benchmark_cli("xla_buffers", str(tmp_path))
     assert report.returncode == 0, report.stderr[-2000:]
     lines = report.stdout.splitlines()
     assert lines and "allocations; temp" in lines[0] and "parameter 0.0 MiB" in lines[0]
     assert any("Total bytes used" in l for l in lines)
-    empty = subprocess.run([sys.executable, XLA_BUFFERS, str(tmp_path / "empty")],
-                           capture_output=True, text=True, timeout=120)
+    empty = benchmark_cli("xla_buffers", str(tmp_path / "empty"))
     assert empty.returncode == 1 and "no *buffer-assignment.txt" in empty.stderr, empty.stderr
     # The reader beneath it, the package's (the tests read XLA's temp buffer with it).
     allocs = [a for f in glob.glob(str(tmp_path / "*buffer-assignment.txt"))
