@@ -23,6 +23,7 @@ without tf_relupool's __init__ (load_harness):
 - trial_env / run_fresh / tail: one fresh process per trial, its status read from its exit.
 - library_built: when the op library was built.
 - measure_steps / step_figures: timed steps under a StepMemory, and a worker's figures of them.
+- xla_allocations / conv_scratch: what an XLA executable allocates, from its dump's files.
 
 - devices: that module itself, under the name the scripts use for its device part
   (DEVICE_CHOICES, DeviceError, Device, prepare_environment, setup, StepMemory,
@@ -72,6 +73,7 @@ round_down, bracket_and_bisect, largest_fitting = _h.round_down, _h.bracket_and_
 search_start, classify_error, tail = _h.search_start, _h.classify_error, _h.tail
 trial_env, run_fresh, library_built = _h.trial_env, _h.run_fresh, _h.library_built
 measure_steps, step_figures = _h.measure_steps, _h.step_figures
+xla_allocations, conv_scratch = _h.xla_allocations, _h.conv_scratch
 
 # tf_relupool/_example_models.py's CIFAR-10 models (32x32x3, 10 classes), then
 # keras.applications models at 224x224x3 with 1000 classes (weights=None), as users train them.

@@ -7,38 +7,20 @@ For each dumped module whose name contains --module (default: every module with 
 assignment), prints the allocations of its buffer assignment by kind (parameters, outputs,
 the preallocated temp buffer: one contiguous allocation per run), and the scratch (workspace)
 buffers of its cuDNN convolutions (the u8[N] element of a `__cudnn$conv...` custom call's result
-tuple, which the autotuner sized and which lives inside the temp buffer). No TensorFlow import.
+tuple, which the autotuner sized and which lives inside the temp buffer). No TensorFlow import;
+the files are read by tf_relupool/_harness.py's xla_allocations and conv_scratch.
 """
 import argparse
 import glob
 import os
-import re
 import sys
 
-_ALLOC = re.compile(r"^allocation (\d+): size (\d+), (.*?):?\s*$")
-_CONV = re.compile(r"^\s*(\S+) = \((.*?)\) custom-call\(.*custom_call_target=\"(__cudnn\$conv[^\"]*)\"")
-_U8 = re.compile(r"u8\[(\d+)\]")
-MIB = 2.0 ** 20
+HERE = os.path.dirname(os.path.abspath(__file__))
+if HERE not in sys.path:
+    sys.path.insert(0, HERE)
 
-
-def _matches(path, pattern):
-    """The matches of `pattern` at the start of each line of the text file `path`."""
-    with open(path) as f:
-        return [m for m in map(pattern.match, f) if m]
-
-
-def allocations(path):
-    """[(index, size, kind text)] of a *buffer-assignment.txt file."""
-    return [(int(m.group(1)), int(m.group(2)), m.group(3)) for m in _matches(path, _ALLOC)]
-
-
-def conv_scratch(path):
-    """[(instruction, target, scratch bytes)] of the cuDNN convolutions of an HLO text file."""
-    out = []
-    for m in _matches(path, _CONV):
-        sizes = _U8.findall(m.group(2))
-        out.append((m.group(1), m.group(3), int(sizes[-1]) if sizes else 0))
-    return out
+# The dump's readers are tf_relupool/_harness.py's (the tests read the temp buffer with them).
+from harness import MIB, conv_scratch, xla_allocations as allocations  # noqa: E402
 
 
 def summarize(dump_dir, module_filter="", args_report_lines=12):

@@ -54,8 +54,10 @@ def from_nhwc(x, data_format):
     return x if data_format == "NHWC" else tf.transpose(x, [0, 3, 1, 2])
 
 
-def _spatial_pair(value, data_format):
-    """(rows, cols) of a window/stride argument in any form tf.nn.max_pool2d accepts."""
+def spatial_pair(value, data_format):
+    """(rows, cols) of a window/stride argument in any form tf.nn.max_pool2d accepts. Written
+    here, not taken from tf_relupool/_geometry.py: the stock references are built from it, so a
+    misreading in the package's normalize_window must not reach both sides of a comparison."""
     if isinstance(value, (int, np.integer)):
         return int(value), int(value)
     value = [int(v) for v in value]
@@ -64,6 +66,14 @@ def _spatial_pair(value, data_format):
     if len(value) == 2:
         return value[0], value[1]
     return tuple(value[1:3]) if data_format == "NHWC" else tuple(value[2:4])
+
+
+def nhwc_window(value, data_format):
+    """A ksize/strides argument of pool_cases in the form for an NHWC call (a 4-entry NCHW one
+    reordered)."""
+    if data_format == "NCHW" and isinstance(value, list) and len(value) == 4:
+        return [value[0], value[2], value[3], value[1]]
+    return value
 
 
 def nhwc_padding(padding, data_format):
@@ -92,7 +102,7 @@ def window_grid(h, w, ksize, strides, padding, data_format):
     """window_bounds along rows and columns of an h x w plane for a pooling call's arguments
     (ksize/strides in any tf.nn.max_pool2d form, padding a string or explicit pairs in
     data_format order): ((r0, r1), (c0, c1))."""
-    (kh, kw), (sh, sw) = _spatial_pair(ksize, data_format), _spatial_pair(strides, data_format)
+    (kh, kw), (sh, sw) = spatial_pair(ksize, data_format), spatial_pair(strides, data_format)
     pads = nhwc_padding(padding, data_format)
     rows, cols = ((0, 0), (0, 0)) if isinstance(pads, str) else (pads[1], pads[2])
     return window_bounds(h, kh, sh, padding, rows), window_bounds(w, kw, sw, padding, cols)
@@ -157,15 +167,12 @@ def stock_forward_and_grad(z, dy, ksize, strides, padding, data_format, defined=
     all-NaN windows, where stock differs between machines, are checked to be one of stock's
     values and replaced by the definition (defined_pool_output); the gradient is stock's.
     """
-    ksize4, strides4 = ksize, strides
-    if data_format == "NCHW":
-        # 4-entry NCHW windows/strides in NHWC order for the transposed stock call.
-        ksize4, strides4 = [[v[0], v[2], v[3], v[1]] if isinstance(v, list) and len(v) == 4 else v
-                            for v in (ksize, strides)]
     with tf.device("/CPU:0"):
         with tf.GradientTape() as tape:
             tape.watch(z)
-            y = from_nhwc(tf.nn.max_pool2d(tf.nn.relu(to_nhwc(z, data_format)), ksize4, strides4,
+            y = from_nhwc(tf.nn.max_pool2d(tf.nn.relu(to_nhwc(z, data_format)),
+                                           nhwc_window(ksize, data_format),
+                                           nhwc_window(strides, data_format),
                                            nhwc_padding(padding, data_format),
                                            data_format="NHWC"), data_format)
         dz = tape.gradient(y, z, output_gradients=dy) if dy is not None else None
@@ -273,9 +280,19 @@ def global_policy(name):
         keras.mixed_precision.set_global_policy("float32")
 
 
+def benchmark_cli(name, *args, timeout=120):
+    """benchmarks/<name>.py run with `args` in a fresh process, as a user runs it (the
+    CompletedProcess, output as text)."""
+    import subprocess
+    return subprocess.run([sys.executable, os.path.join(BENCHMARKS, name + ".py"), *args],
+                          capture_output=True, text=True, timeout=timeout)
+
+
 def benchmarks_module(name):
-    """A benchmarks/ script as a module (none imports TensorFlow at module level); benchmarks/
-    goes on sys.path, where the scripts find harness.py."""
+    """A benchmarks/ script as a module, for tests of its own logic (its report, its arguments'
+    values); what the package shares with the scripts is tf_relupool/_harness.py's, and a
+    script's command line runs in a subprocess (benchmark_cli). None imports TensorFlow at module
+    level; benchmarks/ goes on sys.path, where the scripts find harness.py."""
     if BENCHMARKS not in sys.path:
         sys.path.insert(0, BENCHMARKS)
     spec = importlib.util.spec_from_file_location(name, os.path.join(BENCHMARKS, name + ".py"))
@@ -391,6 +408,26 @@ def xla_train_step(model, x, y):
     return step, step(x, y)
 
 
+def sgd_step(model, lr, from_logits=True, name=None):
+    """A jit-compiled SGD step of `model` on (x, y): the mean sparse categorical cross-entropy,
+    its gradients for the trainable variables, each variable moved by -lr times its gradient;
+    returns (loss, gradients). `name`: the function's name, which XLA's module names carry."""
+    import keras
+    tvars = model.trainable_variables
+
+    def step(x, y):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(keras.losses.sparse_categorical_crossentropy(
+                y, model(x, training=True), from_logits=from_logits))
+        grads = tape.gradient(loss, tvars)
+        for v, g in zip(tvars, grads):
+            v.assign_sub(lr * g)
+        return loss, grads
+    if name:
+        step.__name__ = name
+    return tf.function(step, jit_compile=True)
+
+
 def forward_tensors_the_backward_reads(fn, shape):
     """The non-constant tensors of the forward pass of fn (z of `shape`, traced inside an
     XLA-compiled function) that ops of the backward pass read: what is kept between them."""
@@ -434,13 +471,24 @@ def derivatives(f, z, dy, ddz, g=None):
 
 
 @pytest.fixture
-def switch_off():
-    """The switch off before and after the test (modules take it with
-    `pytestmark = pytest.mark.usefixtures("switch_off")`)."""
+def switch_off(monkeypatch):
+    """The switch off before and after the test, and the process's XLA_FLAGS left as the test
+    found them (modules take it with `pytestmark = pytest.mark.usefixtures("switch_off")`).
+    Turning the switch on points XLA at the persistent autotune cache through XLA_FLAGS
+    (autotune_cache.install, once per process, while TensorFlow has not started), which would
+    otherwise stay in os.environ for the tests that follow and their subprocesses (the workers of
+    test_distribute.py), depending on which test first turned the switch on."""
     import tf_relupool
+    from tf_relupool import autotune_cache
+    monkeypatch.setattr(autotune_cache, "_state", dict(autotune_cache._state))
+    xla_flags = os.environ.get("XLA_FLAGS")
     tf_relupool.disable_recompute()
     yield
     tf_relupool.disable_recompute()
+    if xla_flags is None:
+        os.environ.pop("XLA_FLAGS", None)
+    else:
+        os.environ["XLA_FLAGS"] = xla_flags
 
 
 def xla_temp_and_digest(model, size, batch, variants, tmp_path, head="softmax"):
@@ -458,12 +506,12 @@ def xla_temp_and_digest(model, size, batch, variants, tmp_path, head="softmax"):
                           capture_output=True, text=True, timeout=900, cwd=here, env=env)
     lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, proc.stderr[-3000:]
-    xla_buffers = benchmarks_module("xla_buffers")
+    from tf_relupool import _harness
     temps = {}
     for variant in variants.split(","):
         sizes = [s for name in os.listdir(dump)
                  if f"digest_step_{variant}" in name and name.endswith("buffer-assignment.txt")
-                 for _, s, kind in xla_buffers.allocations(os.path.join(dump, name))
+                 for _, s, kind in _harness.xla_allocations(os.path.join(dump, name))
                  if "preallocated-temp" in kind]
         assert sizes, (variant, sorted(os.listdir(dump))[:20])
         temps[variant] = max(sizes)

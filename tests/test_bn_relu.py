@@ -17,7 +17,7 @@ from keras import layers
 
 import tf_relupool
 from tf_relupool import _example_models, _versions, gradient_sources, keras_fusion, segments
-from conftest import (assert_bitwise_equal, global_policy, optimized_hlo_shape,
+from conftest import (assert_bitwise_equal, global_policy, optimized_hlo_shape, sgd_step,
                       xla_temp_and_digest)
 
 LR = 0.01
@@ -36,17 +36,7 @@ def _train(model, x, y, init, steps=2, from_logits=True):
     """[(loss, grads)] of `steps` SGD steps in one jit-compiled function from the weights
     `init`, and every weight after them."""
     model.set_weights(init)
-    tvars = model.trainable_variables
-
-    @tf.function(jit_compile=True)
-    def step(x, y):
-        with tf.GradientTape() as tape:
-            loss = tf.reduce_mean(keras.losses.sparse_categorical_crossentropy(
-                y, model(x, training=True), from_logits=from_logits))
-        grads = tape.gradient(loss, tvars)
-        for v, g in zip(tvars, grads):
-            v.assign_sub(LR * g)
-        return loss, grads
+    step = sgd_step(model, LR, from_logits)
     out = [step(x, y) for _ in range(steps)]
     return out, [w.numpy() for w in model.weights]
 

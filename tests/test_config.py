@@ -9,26 +9,11 @@ import pytest
 import tensorflow as tf
 
 import tf_relupool
-from tf_relupool import _clib, _state, autotune_cache, config, grappler
+from tf_relupool import _clib, _state, config, grappler
 from conftest import forward_and_input_grad, xla_hlo
 
 
-@pytest.fixture(autouse=True)
-def switch_off(monkeypatch):
-    """Each test starts with the switch off and leaves it off, and leaves the process's XLA_FLAGS
-    as it found them: turning the switch on points XLA at the persistent autotune cache through
-    XLA_FLAGS (autotune_cache.install, once per process, while TensorFlow has not started), which
-    would otherwise stay in os.environ for the tests that follow and their subprocesses (the
-    workers of test_distribute.py), depending on which test first turned the switch on."""
-    monkeypatch.setattr(autotune_cache, "_state", dict(autotune_cache._state))
-    xla_flags = os.environ.get("XLA_FLAGS")
-    tf_relupool.disable_recompute()
-    yield
-    tf_relupool.disable_recompute()
-    if xla_flags is None:
-        os.environ.pop("XLA_FLAGS", None)
-    else:
-        os.environ["XLA_FLAGS"] = xla_flags
+pytestmark = pytest.mark.usefixtures("switch_off")  # conftest's
 
 
 def traced_op_types(layer, shape=(2, 6, 6, 3)):
@@ -37,7 +22,7 @@ def traced_op_types(layer, shape=(2, 6, 6, 3)):
 
 
 def test_default_is_off(tmp_path):
-    """In a fresh process with TF_RELUPOOL_RECOMPUTE unset (here the autouse fixture has just
+    """In a fresh process with TF_RELUPOOL_RECOMPUTE unset (here the switch_off fixture has just
     switched it off, so the module's state says nothing about the default)."""
     code = ("import tf_relupool as t; from tf_relupool import keras_fusion as k;"
             "print('MODE', t.recompute_mode(), t.recompute_enabled(), k.installed())")

@@ -4,13 +4,14 @@ Each case runs the script in a fresh Python process (TF_CPU_ALLOCATOR_USE_BFC mu
 TensorFlow starts, and the recompute switch is process-global).
 """
 import glob
-import importlib.util
 import json
 import os
 import subprocess
 import sys
 
 import pytest
+
+from conftest import benchmarks_module
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CIFAR = os.path.join(ROOT, "examples", "cifar10.py")
@@ -19,22 +20,6 @@ GPU_REPORT = os.path.join(ROOT, "benchmarks", "gpu_memory.py")
 MIB = 2 ** 20
 # TensorFlow cannot see a GPU on a machine without NVIDIA device files.
 NO_GPU = not glob.glob("/dev/nvidia[0-9]*")
-
-
-def _benchmark_module(name, path):
-    """A benchmarks/ script as a module (they import no TensorFlow at module level)."""
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def _gpu_memory_module():
-    return _benchmark_module("gpu_memory", GPU_REPORT)
-
-
-def _memory_report_module():
-    return _benchmark_module("memory_report", REPORT)
 
 
 def _expected_device():
@@ -242,7 +227,7 @@ def test_cpu_largest_batch_is_the_one_before_the_first_over_the_cap():
     """memory_report's CPU search: bracketing and bisection find a monotone boundary to within
     the tolerance; where measured peaks jump (allocator fragmentation), the result is the batch
     before the first measured batch over the cap, never a batch past one that failed."""
-    mr = _memory_report_module()
+    mr = benchmarks_module("memory_report")
     for boundary in (1, 37, 64, 100, 129, 1000):
         for guess in (1, 50, 64, 90, 2000):
             measured = {}
@@ -262,7 +247,7 @@ def test_cpu_largest_batch_is_the_one_before_the_first_over_the_cap():
 
 
 def test_grappler_configurations_and_arguments():
-    gm = _gpu_memory_module()
+    gm = benchmarks_module("gpu_memory")
     assert gm.parse_config("default") == {"layout_optimizer": None, "remapper": None,
                                           "cudnn_workspace_mib": None, "cudnn_autotune": None}
     assert gm.parse_config("layout-off+remapper-off+workspace-0") == {
@@ -313,7 +298,7 @@ def _fake_gpu_report(gm):
 def test_gpu_table_from_known_numbers():
     """The Markdown table: device named, ratios against stock per Grappler configuration,
     searched and unsearched cells, failed trials listed."""
-    gm = _gpu_memory_module()
+    gm = benchmarks_module("gpu_memory")
     md = gm.render(_fake_gpu_report(gm))
     assert "# Training-step memory on GPU:0" in md
     assert "measured on **GPU:0 (NVIDIA H200, compute capability 9.0)**" in md
@@ -330,7 +315,7 @@ def test_gpu_table_from_known_numbers():
 def test_gpu_report_trial_subprocess_on_cpu():
     """One largest-batch trial in a fresh process, as on the GPU, here on the CPU (where the
     limit is compared with the allocator's peak): fits under a roomy limit, not under 1 MiB."""
-    gm = _gpu_memory_module()
+    gm = benchmarks_module("gpu_memory")
     args = gm.parse_args(["--device", "cpu", "--models", "simple", "--grappler", "layout-off",
                           "--memory-limit", "4096", "--trial-steps", "1"])
     roomy = gm.run_trial(args, "simple", "layout-off", "argmax", 8)

@@ -1,24 +1,22 @@
-"""benchmarks/harness.py: the largest-batch search, out-of-memory classification, trial processes,
-the worker protocol and the device probe; and benchmarks/distributed_memory.py's arguments and
-table, which build on them."""
+"""tf_relupool/_harness.py (what `python -m tf_relupool.measure` and the benchmarks share): the
+largest-batch search, out-of-memory classification, trial processes, the worker protocol, the op
+library's date and XLA's dump readers. benchmarks/harness.py's device probe, run as the benchmark
+drivers run it; and benchmarks/distributed_memory.py's arguments and table."""
 import glob
 import importlib.util
 import os
 import re
+import subprocess
 import sys
 
 import pytest
 
-from conftest import benchmarks_module
+from tf_relupool import _harness as harness
+from conftest import benchmark_cli, benchmarks_module
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCHMARKS = os.path.join(ROOT, "benchmarks")
 MIB = 2 ** 20
-
-
-
-
-harness = benchmarks_module("harness")
 
 
 def test_largest_batch_search_finds_known_boundaries():
@@ -99,11 +97,13 @@ def test_worker_protocol(tmp_path):
     that fails or prints no answer gives None, and its process for the caller's message."""
     assert harness.read_result('noise\nRESULT {"a": 1}\nRESULT [2]\nmore\n') == [2]
     assert harness.read_result("no answer\n") is None
-    with pytest.raises(harness.devices.DeviceError, match="no GPU"):
+    with pytest.raises(harness.DeviceError, match="no GPU"):
         harness.read_result('RESULT {}\nDEVICE_ERROR no GPU visible\n')
-    answer, proc = harness.run_worker([sys.executable, "-c", f"import sys; sys.path.insert(0, "
-                                       f"{BENCHMARKS!r}); import harness; "
-                                       "harness.print_result({'x': [1, 2]})"], timeout=60)
+    # A worker that answers through the harness (loaded from its file, as the benchmarks load it).
+    worker = ("import importlib.util, sys; spec = importlib.util.spec_from_file_location('h', "
+              "sys.argv[1]); h = importlib.util.module_from_spec(spec); "
+              "spec.loader.exec_module(h); h.print_result({'x': [1, 2]})")
+    answer, proc = harness.run_worker([sys.executable, "-c", worker, harness.__file__], timeout=60)
     assert answer == {"x": [1, 2]} and proc.returncode == 0
     for code in ("import sys; print('RESULT {}'); sys.exit(1)", "print('nothing')"):
         answer, proc = harness.run_worker([sys.executable, "-c", code], timeout=60)
@@ -112,13 +112,20 @@ def test_worker_protocol(tmp_path):
 
 @pytest.mark.skipif(bool(glob.glob("/dev/nvidia[0-9]*")), reason="a machine without a GPU")
 def test_device_probe_without_a_gpu():
-    """No NVIDIA device files: detect_device says cpu without starting TensorFlow; the probe's
-    subprocess names the CPU, and --device gpu is a DeviceError there."""
-    assert harness.detect_device() == "cpu"
-    dev = harness.probe_device("cpu")
-    assert dev["kind"] == "cpu" and dev["name"] == "CPU:0", dev
-    with pytest.raises(harness.devices.DeviceError, match="no GPU visible"):
-        harness.probe_device("gpu")
+    """No NVIDIA device files: benchmarks/harness.py's detect_device says cpu without starting
+    TensorFlow; the probe's subprocess (`python harness.py DEVICE`) names the CPU, and --device
+    gpu is a DeviceError there."""
+    code = "import sys, harness; print(harness.detect_device(), 'tensorflow' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, cwd=BENCHMARKS)
+    assert out.returncode == 0 and out.stdout.split() == ["cpu", "False"], out.stderr[-2000:]
+    cpu = benchmark_cli("harness", "cpu", timeout=300)
+    dev = harness.read_result(cpu.stdout)
+    assert cpu.returncode == 0 and dev["kind"] == "cpu" and dev["name"] == "CPU:0", cpu.stderr
+    gpu = benchmark_cli("harness", "gpu", timeout=300)
+    assert gpu.returncode == 3
+    with pytest.raises(harness.DeviceError, match="no GPU visible"):
+        harness.read_result(gpu.stdout)
 
 
 def test_library_built_names_the_op_library(tmp_path, monkeypatch):
@@ -131,6 +138,17 @@ def test_library_built_names_the_op_library(tmp_path, monkeypatch):
     assert harness.library_built() is None
 
 
+def test_conv_scratch_of_an_hlo_line(tmp_path):
+    """The u8 scratch element of a cuDNN custom call's result tuple is its workspace."""
+    hlo = tmp_path / "m.gpu_after_optimizations.txt"
+    hlo.write_text(
+        '  %cudnn-conv.1 = (f32[32,64,224,224]{3,2,1,0}, u8[19267584]{0}) custom-call(f32[32,3,'
+        '224,224]{3,2,1,0} %p, f32[64,3,3,3]{3,2,1,0} %w), window={size=3x3 pad=1_1x1_1}, '
+        'custom_call_target="__cudnn$convForward"\n'
+        '  %fusion = f32[4]{0} fusion(f32[4]{0} %a), kind=kLoop\n')
+    assert harness.conv_scratch(str(hlo)) == [("%cudnn-conv.1", "__cudnn$convForward", 19267584)]
+
+
 def test_distributed_memory_arguments_are_checked():
     dm = benchmarks_module("distributed_memory")
     args = dm.parse_args([])
@@ -141,8 +159,8 @@ def test_distributed_memory_arguments_are_checked():
                 ["--replicas", "3"],                       # 512 is no multiple of 3
                 ["--device", "cpu", "--search-models", "simple"],
                 ["--search-variants", "on"]):
-        with pytest.raises(SystemExit):
-            dm.parse_args(bad)
+        p = benchmark_cli("distributed_memory", *bad)
+        assert p.returncode == 2 and "error:" in p.stderr, (bad, p.returncode, p.stderr[-2000:])
 
 
 def test_distributed_memory_table_flags_losses_that_differ():

@@ -18,20 +18,16 @@ import tensorflow as tf
 from hypothesis import given, settings
 
 import tf_relupool
-from conftest import (DTYPES, _spatial_pair, assert_bitwise_equal, derivatives, from_nhwc,
-                      nhwc_padding, pool_cases, to_nhwc, window_grid)
+from conftest import (DTYPES, assert_bitwise_equal, derivatives, from_nhwc, nhwc_padding,
+                      pool_cases, spatial_pair, to_nhwc, window_grid)
 
 KEEPS = ["argmax", "input"]
-
-
-def _spatial(value, data_format):
-    return list(_spatial_pair(value, data_format))
 
 
 def _stock_fn(ksize, strides, padding, data_format):
     """Stock max_pool2d(relu(z)) in `data_format` (NCHW through exact transposes: stock CPU
     pooling is NHWC-only without oneDNN)."""
-    k, s = _spatial(ksize, data_format), _spatial(strides, data_format)
+    k, s = spatial_pair(ksize, data_format), spatial_pair(strides, data_format)
     pad = nhwc_padding(padding, data_format)
     if not isinstance(pad, str):
         # Stock's MaxPoolGradGrad has no explicit padding: the same pooling as a VALID one over
@@ -50,7 +46,7 @@ def _fused_fn(ksize, strides, padding, data_format, keep):
 
 def _window_has_nan(z, ksize, strides, padding, data_format):
     nan = tf.cast(tf.math.is_nan(tf.cast(z, tf.float64)), tf.float32)
-    k, s = _spatial(ksize, data_format), _spatial(strides, data_format)
+    k, s = spatial_pair(ksize, data_format), spatial_pair(strides, data_format)
     pooled = from_nhwc(tf.nn.max_pool2d(to_nhwc(nan, data_format), k, s,
                                         nhwc_padding(padding, data_format)), data_format)
     return pooled.numpy() > 0
@@ -109,7 +105,7 @@ def _check_case(case, keep):
     z = tf.constant(case["z"], dtype=dtype)
     args = (case["ksize"], case["strides"], case["padding"], case["data_format"])
     rows, cols = (1, 2) if case["data_format"] == "NHWC" else (2, 3)
-    k = _spatial(case["ksize"], case["data_format"])
+    k = spatial_pair(case["ksize"], case["data_format"])
     rng = np.random.default_rng(case["rng_seed"] + 7)
     if case["padding"] == "VALID" and (k[0] > z.shape[rows] or k[1] > z.shape[cols]):
         # No window fits: stock refuses it; the definition is an empty pooled output, so an

@@ -1,20 +1,17 @@
-"""benchmarks/largest_batch.py (the largest batch at Keras' default compile) and
-benchmarks/xla_buffers.py (what an XLA executable allocates): the k-ary search, the variants and
-levers, out-of-memory sizes, the report, and the dump reader on a real XLA dump."""
+"""benchmarks/largest_batch.py (the largest batch at Keras' default compile): the k-ary search,
+the variants and levers, out-of-memory sizes and the report; benchmarks/xla_buffers.py (what an
+XLA executable allocates) run on a real XLA dump."""
+import glob
 import os
 import subprocess
 import sys
 
 import pytest
 
-from conftest import benchmarks_module
-
-
-
-
+from tf_relupool import _harness
+from conftest import benchmark_cli, benchmarks_module
 
 lb = benchmarks_module("largest_batch")
-xb = benchmarks_module("xla_buffers")
 
 
 @pytest.mark.parametrize("boundary", [0, 7, 8, 24, 31, 40, 95, 96, 200])
@@ -138,9 +135,8 @@ def test_levers_for_a_smaller_gpu_and_the_allocator():
 @pytest.mark.parametrize("argv", [["--models", "nope"], ["--variants", "default+x"],
                                   ["--memory-limit", "vgg16"], ["--jobs", "0"]])
 def test_bad_arguments_are_errors(argv):
-    with pytest.raises(SystemExit) as e:
-        lb.parse_args(argv)
-    assert e.value.code == 2
+    p = benchmark_cli("largest_batch", *argv)
+    assert p.returncode == 2 and "error:" in p.stderr, (p.returncode, p.stderr[-2000:])
 
 
 def test_xla_buffers_reads_a_real_dump(tmp_path):
@@ -156,21 +152,17 @@ def test_xla_buffers_reads_a_real_dump(tmp_path):
                          timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip().endswith("6144.0")
-    lines = xb.summarize(str(tmp_path))
+    report = benchmark_cli("xla_buffers", str(tmp_path))
+    assert report.returncode == 0, report.stderr[-2000:]
+    lines = report.stdout.splitlines()
     assert lines and "allocations; temp" in lines[0] and "parameter 0.0 MiB" in lines[0]
     assert any("Total bytes used" in l for l in lines)
-    assert xb.main([str(tmp_path / "empty")]) == 1
-
-
-def test_conv_scratch_of_an_hlo_line(tmp_path):
-    """The u8 scratch element of a cuDNN custom call's result tuple is its workspace."""
-    hlo = tmp_path / "m.gpu_after_optimizations.txt"
-    hlo.write_text(
-        '  %cudnn-conv.1 = (f32[32,64,224,224]{3,2,1,0}, u8[19267584]{0}) custom-call(f32[32,3,'
-        '224,224]{3,2,1,0} %p, f32[64,3,3,3]{3,2,1,0} %w), window={size=3x3 pad=1_1x1_1}, '
-        'custom_call_target="__cudnn$convForward"\n'
-        '  %fusion = f32[4]{0} fusion(f32[4]{0} %a), kind=kLoop\n')
-    assert xb.conv_scratch(str(hlo)) == [("%cudnn-conv.1", "__cudnn$convForward", 19267584)]
+    empty = benchmark_cli("xla_buffers", str(tmp_path / "empty"))
+    assert empty.returncode == 1 and "no *buffer-assignment.txt" in empty.stderr, empty.stderr
+    # The reader beneath it, the package's (the tests read XLA's temp buffer with it).
+    allocs = [a for f in glob.glob(str(tmp_path / "*buffer-assignment.txt"))
+              for a in _harness.xla_allocations(f)]
+    assert any("parameter" in kind for _, _, kind in allocs), allocs[:10]
 
 
 def test_the_noretry_lever_turns_off_the_allocators_retry(monkeypatch):

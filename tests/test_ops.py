@@ -6,16 +6,17 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 import tf_relupool
-from conftest import (DTYPES, _spatial_pair, all_nan_windows, assert_bitwise_equal, bits,
+from conftest import (DTYPES, all_nan_windows, assert_bitwise_equal, bits,
                       forward_and_input_grad, fused_forward_and_grad, gradient_ops, make_dy,
-                      nhwc_padding, pool_cases, stock_forward_and_grad, to_nhwc)
+                      nhwc_padding, nhwc_window, pool_cases, spatial_pair, stock_forward_and_grad,
+                      to_nhwc)
 
 
 def _run_case(case, keep):
     z = tf.constant(case["z"], dtype=case["dtype"])
     args = (case["ksize"], case["strides"], case["padding"], case["data_format"])
     rows, cols = (1, 2) if case["data_format"] == "NHWC" else (2, 3)
-    k = _spatial_pair(case["ksize"], case["data_format"])
+    k = spatial_pair(case["ksize"], case["data_format"])
     if case["padding"] == "VALID" and (k[0] > z.shape[rows] or k[1] > z.shape[cols]):
         # Stock TF refuses this (negative size) or, with oneDNN on, dies of SIGFPE; the fused op
         # returns an empty result and a zero gradient.
@@ -66,21 +67,14 @@ def test_resnet_stem_pool_3x3_stride_2_same(keep, dtype):
     assert np.bincount(counts.numpy().ravel()).max() > 1
 
 
-def _nhwc_pair(value, data_format):
-    """A ksize/strides argument of pool_cases in a form for an NHWC call."""
-    if isinstance(value, list) and len(value) == 4 and data_format == "NCHW":
-        return [1, value[2], value[3], 1]
-    return value
-
-
 @given(case=pool_cases())
 def test_all_nan_window_mask_matches_stock_pooling_of_a_nan_indicator(case):
     """conftest.all_nan_windows (numpy window counts) against stock pooling of 'is not NaN'."""
     z = case["z"]
     fmt = case["data_format"]
     nhwc = to_nhwc(tf.constant(z), fmt)
-    k, s = _nhwc_pair(case["ksize"], fmt), _nhwc_pair(case["strides"], fmt)
-    kh, kw = _spatial_pair(case["ksize"], fmt)
+    k, s = nhwc_window(case["ksize"], fmt), nhwc_window(case["strides"], fmt)
+    kh, kw = spatial_pair(case["ksize"], fmt)
     assume(case["padding"] != "VALID" or (kh <= nhwc.shape[1] and kw <= nhwc.shape[2]))
     indicator = tf.cast(~tf.math.is_nan(nhwc), tf.float32)
     want = tf.nn.max_pool2d(indicator, k, s, nhwc_padding(case["padding"], fmt)).numpy() == 0

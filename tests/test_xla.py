@@ -19,7 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import tf_relupool
-from tf_relupool import _versions, gradient_sources, keras_fusion, xla
+from tf_relupool import _geometry, _versions, gradient_sources, keras_fusion, xla
 from conftest import (DTYPES, GPU_VISIBLE, assert_bitwise_equal, derivatives,
                       forward_and_input_grad, forward_tensors_the_backward_reads,
                       xla_hlo, xla_train_step, xla_value_and_grad)
@@ -42,10 +42,6 @@ def _data(rng, shape, dtype, special=True):
     return tf.constant(z, dtype)
 
 
-def _window(k, data_format):
-    return [1, k[0], k[1], 1] if data_format == "NHWC" else [1, 1, k[0], k[1]]
-
-
 def _value_and_grads(fn, z, dy, v, jit_compile=True):
     """fn(z), d<fn(z), dy>/dz and the second-order d<dz, v>/d(dy): in one XLA function, or
     eagerly (jit_compile=None)."""
@@ -55,10 +51,9 @@ def _value_and_grads(fn, z, dy, v, jit_compile=True):
 
 
 def _pool_dims(shape, k, s, padding, data_format):
-    rows, cols = (1, 2) if data_format == "NHWC" else (2, 3)
     return [d[-1] for d in xla.pool_geometry(
-        (shape[rows], shape[cols]), _window(k, data_format), _window(s, data_format), padding,
-        [], data_format)]
+        _geometry.spatial(shape, data_format), _geometry.window_attr(*k, data_format),
+        _geometry.window_attr(*s, data_format), padding, [], data_format)]
 
 
 def _reference(z, dy, v, k, s, padding, data_format):
@@ -157,7 +152,8 @@ def test_bitwise_equal_to_definition_and_to_stock_under_xla(n, h, w, c, k, s, pa
     out_shape = (n, oh, ow, c) if data_format == "NHWC" else (n, c, oh, ow)
     dy = _data(rng, out_shape, dtype, special=False) * tf.constant(-1.0, dtype)  # -0s in dy
     v = _data(rng, shape, dtype, special=False)
-    args = (_window(k, data_format), _window(s, data_format), padding)
+    args = (_geometry.window_attr(*k, data_format), _geometry.window_attr(*s, data_format),
+            padding)
 
     def fused(t):
         return tf_relupool.relu_max_pool2d(t, *args, data_format=data_format)

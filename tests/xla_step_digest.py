@@ -22,6 +22,7 @@ import tensorflow as tf
 
 import tf_relupool
 from tf_relupool import _example_models, segments
+from conftest import sgd_step  # tests/ is this script's directory
 
 name, size, batch, variants, head = (sys.argv[1], int(sys.argv[2]), int(sys.argv[3]),
                                      sys.argv[4].split(","), sys.argv[5])
@@ -43,7 +44,6 @@ init = model.get_weights()
 rng = np.random.default_rng(0)
 x = tf.constant(rng.standard_normal((batch, size, size, 3)).astype("float32"))
 y = tf.constant(rng.integers(0, 10, (batch,)).astype("int32"))
-tvars = model.trainable_variables
 result = {}
 for variant in variants:
     if variant == "stock":
@@ -51,20 +51,11 @@ for variant in variants:
     else:
         tf_relupool.enable_recompute(activations=variant == "product")
     model.set_weights(init)
-
-    def step(x, y):
-        with tf.GradientTape() as tape:
-            loss = tf.reduce_mean(keras.losses.sparse_categorical_crossentropy(
-                y, model(x, training=True), from_logits=logits))
-        grads = tape.gradient(loss, tvars)
-        for v, g in zip(tvars, grads):
-            v.assign_sub(0.01 * g)
-        return [loss] + grads
-    step.__name__ = "digest_step_" + variant
-    step = tf.function(step, jit_compile=True)
+    step = sgd_step(model, 0.01, logits, name="digest_step_" + variant)
     digest = hashlib.sha256()
     for _ in range(2):
-        for t in step(x, y):
+        loss, grads = step(x, y)
+        for t in [loss] + list(grads):
             digest.update(t.numpy().tobytes())
     for w in model.weights:
         digest.update(w.numpy().tobytes())

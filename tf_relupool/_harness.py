@@ -19,11 +19,15 @@ package's __init__ (which imports TensorFlow), so that their drivers never start
 - trial_env / run_fresh: one fresh process per trial (a memory_limit must be set before
   TensorFlow starts, and an OOM can leave a process unusable), its status read from its exit.
 - library_built: when the op library was built.
+- xla_allocations / conv_scratch: what an XLA executable allocates, read from an
+  `--xla_dump_to` directory's files (benchmarks/xla_buffers.py prints them; the tests read the
+  preallocated temp buffer).
 """
 import datetime
 import importlib.util
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -430,3 +434,34 @@ def library_built():
         if os.path.exists(so):
             return f"{datetime.datetime.fromtimestamp(os.path.getmtime(so)):%Y-%m-%d %H:%M}"
     return None
+
+
+# ---------------------------------------------------------------------------------------------
+# What an XLA executable allocates: its `--xla_dump_to` files.
+# ---------------------------------------------------------------------------------------------
+_ALLOC = re.compile(r"^allocation (\d+): size (\d+), (.*?):?\s*$")
+_CONV = re.compile(r"^\s*(\S+) = \((.*?)\) custom-call\(.*custom_call_target=\"(__cudnn\$conv[^\"]*)\"")
+_U8 = re.compile(r"u8\[(\d+)\]")
+
+
+def _matches(path, pattern):
+    """The matches of `pattern` at the start of each line of the text file `path`."""
+    with open(path) as f:
+        return [m for m in map(pattern.match, f) if m]
+
+
+def xla_allocations(path):
+    """[(index, size, kind text)] of a *buffer-assignment.txt file; the preallocated temp buffer
+    (one contiguous allocation per run) has "preallocated-temp" in its kind."""
+    return [(int(m.group(1)), int(m.group(2)), m.group(3)) for m in _matches(path, _ALLOC)]
+
+
+def conv_scratch(path):
+    """[(instruction, target, scratch bytes)] of the cuDNN convolutions of an HLO text file: the
+    u8[N] element of a `__cudnn$conv...` custom call's result tuple, which the autotuner sized
+    and which lives inside the temp buffer."""
+    out = []
+    for m in _matches(path, _CONV):
+        sizes = _U8.findall(m.group(2))
+        out.append((m.group(1), m.group(3), int(sizes[-1]) if sizes else 0))
+    return out
