@@ -1,6 +1,6 @@
 // The fusion pass: stock ReLU + max pooling (and its gradient) -> tf_relupool's fused ops, on a
-// GraphDef. fuse_relu_max_pool.cc has the patterns; plugin.cc runs it inside Grappler and for
-// tf_relupool.rewrite_graph.
+// GraphDef. fuse_relu_max_pool.cc lists the matchers (matchers.h), one per pattern family;
+// plugin.cc runs it inside Grappler and for tf_relupool.rewrite_graph.
 #ifndef TF_RELUPOOL_CC_GRAPPLER_FUSE_RELU_MAX_POOL_H_
 #define TF_RELUPOOL_CC_GRAPPLER_FUSE_RELU_MAX_POOL_H_
 
@@ -15,7 +15,7 @@
 namespace tf_relupool {
 namespace grappler {
 
-// Fuses every pattern of fuse_relu_max_pool.cc in *graph; returns the number of fusions.
+// Fuses every pattern of the matchers in *graph; returns the number of fusions.
 // mode: kArgmax or kInput. preserve: node names that must survive (may be null).
 // default_device_type: the device type assumed for nodes with no device ("" inside Grappler,
 // where devices are set; "CPU" for GraphDefs rewritten offline, see tf_relupool_rewrite_graph).

@@ -1,7 +1,7 @@
 // GraphDef utilities the Grappler passes share: parsing node inputs ("^ctl", "name:port"), attr
 // access, device types, the nodes TensorFlow says to preserve, the dangling-input check, and
 // GraphPass, the base of both passes (the graph, its node index, the log, constant inputs and
-// fresh node names). No pattern lives here: fuse_relu_max_pool.cc and fold_transposes.cc.
+// fresh node names). No pattern lives here: the fusion pass (fusion.h) and fold_transposes.cc.
 #ifndef TF_RELUPOOL_CC_GRAPPLER_GRAPH_UTIL_H_
 #define TF_RELUPOOL_CC_GRAPPLER_GRAPH_UTIL_H_
 

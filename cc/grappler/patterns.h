@@ -1,12 +1,12 @@
 // The pattern table: what tf_relupool fuses, in one place. Each role names the op types that can
 // play one part of a pattern; each pattern is a chain of roles from the pool's output back to z,
-// with the fusers that match it: the Grappler pass (fuse_relu_max_pool.cc, also behind
-// tf_relupool.rewrite_graph) and the trace-time fusion under XLA (tf_relupool/keras_fusion.py).
-// The trace-time part is also held in Python (tf_relupool/patterns.py), so that the XLA route
-// needs no library; a test checks that it equals this table as tf_relupool_grappler_patterns
-// (plugin.cc) exports it. A role or pattern added here must be added there too;
-// tests/test_patterns.py builds every pattern of the table with every op of its roles and checks
-// that each fuser it names fuses it.
+// with the fusers that match it: the Grappler pass (the matcher of its family, matchers.h, also
+// behind tf_relupool.rewrite_graph) and the trace-time fusion under XLA
+// (tf_relupool/keras_fusion.py). The trace-time part is also held in Python
+// (tf_relupool/patterns.py), so that the XLA route needs no library; a test checks that it equals
+// this table as tf_relupool_grappler_patterns (plugin.cc) exports it. A role or pattern added here
+// must be added there too; tests/test_patterns.py builds every pattern of the table with every op
+// of its roles and checks that each fuser it names fuses it.
 #ifndef TF_RELUPOOL_CC_GRAPPLER_PATTERNS_H_
 #define TF_RELUPOOL_CC_GRAPPLER_PATTERNS_H_
 
