@@ -23,32 +23,20 @@ package is installed); this module re-exports it, loaded without tf_relupool's _
 imports TensorFlow). No TensorFlow import at module level.
 """
 
-import importlib
 import importlib.util
 import os
-import sys
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def load_harness():
     """tf_relupool._harness, without importing the package (its __init__ imports TensorFlow):
-    the package's own module once tf_relupool is imported, else the file of the tf_relupool that
-    Python would import (installed, or on PYTHONPATH), else this checkout's."""
-    name = "tf_relupool._harness"
-    if name in sys.modules:
-        return sys.modules[name]
-    if "tf_relupool" in sys.modules:
-        return importlib.import_module(name)
-    spec = importlib.util.find_spec("tf_relupool")
-    where = list(spec.submodule_search_locations or []) if spec else []
-    paths = [os.path.join(d, "_harness.py") for d in where + [os.path.join(_ROOT, "tf_relupool")]]
-    path = next(p for p in paths if os.path.exists(p))
-    spec = importlib.util.spec_from_file_location(name, path)
+    benchmarks/harness.py's load_harness, the one copy of that loader."""
+    spec = importlib.util.spec_from_file_location(
+        "_tf_relupool_benchmarks_harness", os.path.join(_ROOT, "benchmarks", "harness.py"))
     module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
     spec.loader.exec_module(module)
-    return module
+    return module.load_harness()
 
 
 _harness = load_harness()

@@ -232,15 +232,19 @@ class ArgmaxReadingGpuOp : public PoolChecks<tensorflow::AsyncOpKernel> {
   tensorflow::AsyncOpKernel* AsAsync() override { return validate_window_argmax_ ? this : nullptr; }
 
  protected:
-  // launch(first_bad) queues the kernel; first_bad is null when nothing is to be reported.
+  // Allocates output 0 of `shape` and, unless it is empty, launch(output, first_bad, stream)
+  // queues the kernel; first_bad is null when nothing is to be reported.
   template <typename C, typename Launch>
-  void LaunchAndReport(OpKernelContext* ctx, const Tensor& codes, const char* op, Launch launch,
-                       DoneCallback done) {
+  void LaunchAndReport(OpKernelContext* ctx, const TensorShape& shape, const Tensor& codes,
+                       const char* op, Launch launch, DoneCallback done) {
+    Tensor* output = nullptr;
+    OP_REQUIRES_OK_ASYNC(ctx, ctx->allocate_output(0, shape, &output), done);
+    if (output->NumElements() == 0) return done();
     cudaStream_t stream;
     int device;
     OP_REQUIRES_OK_ASYNC(ctx, GpuStream(ctx, &stream, &device), done);
     if (!validate_window_argmax_) {
-      OP_REQUIRES_OK_ASYNC(ctx, CudaStatus(launch(nullptr), op), done);
+      OP_REQUIRES_OK_ASYNC(ctx, CudaStatus(launch(output, nullptr, stream), op), done);
       return done();
     }
     Tensor bad_dev, bad_host;
@@ -253,7 +257,7 @@ class ArgmaxReadingGpuOp : public PoolChecks<tensorflow::AsyncOpKernel> {
         ctx, ctx->allocate_temp(tensorflow::DT_UINT64, TensorShape({1}), &bad_host, pinned), done);
     auto* bad = reinterpret_cast<unsigned long long*>(bad_dev.flat<tensorflow::uint64>().data());
     auto* bad_h = reinterpret_cast<unsigned long long*>(bad_host.flat<tensorflow::uint64>().data());
-    OP_REQUIRES_OK_ASYNC(ctx, CudaStatus(launch(bad), op), done);
+    OP_REQUIRES_OK_ASYNC(ctx, CudaStatus(launch(output, bad, stream), op), done);
     OP_REQUIRES_OK_ASYNC(ctx, CudaStatus(cudaMemcpyAsync(bad_h, bad, sizeof(*bad_h),
                                                          cudaMemcpyDeviceToHost, stream), op),
                          done);
@@ -308,15 +312,9 @@ class ReluMaxPoolGradFromWindowArgmaxGpuOp : public ArgmaxReadingGpuOp {
     OP_REQUIRES_OK_ASYNC(ctx, (CompactGradParams<S, C>(ctx, &input_shape, &p)), done);
     const Tensor& grad = ctx->input(1);
     const Tensor& argmax = ctx->input(2);
-    Tensor* input_grad = nullptr;
-    OP_REQUIRES_OK_ASYNC(ctx, ctx->allocate_output(0, input_shape, &input_grad), done);
-    if (input_grad->NumElements() == 0) return done();
-    cudaStream_t stream;
-    int device;
-    OP_REQUIRES_OK_ASYNC(ctx, GpuStream(ctx, &stream, &device), done);
     LaunchAndReport<C>(
-        ctx, argmax, "ReluMaxPoolGradFromWindowArgmax",
-        [&](unsigned long long* bad) {
+        ctx, input_shape, argmax, "ReluMaxPoolGradFromWindowArgmax",
+        [&](Tensor* input_grad, unsigned long long* bad, cudaStream_t stream) {
           return ReluMaxPoolBackwardFromArgmaxGpu(p, In<T>(grad), argmax.flat<C>().data(),
                                                   Out<T>(input_grad), bad, stream);
         },
@@ -333,21 +331,25 @@ class ReluMaxPoolGradGradFromWindowArgmaxGpuOp : public ArgmaxReadingGpuOp {
     OP_REQUIRES_OK_ASYNC(ctx, GradGradParams<C>(ctx, &p), done);
     const Tensor& grad = ctx->input(0);
     const Tensor& argmax = ctx->input(1);
-    Tensor* output = nullptr;
-    OP_REQUIRES_OK_ASYNC(ctx, ctx->allocate_output(0, PooledShape(p), &output), done);
-    if (output->NumElements() == 0) return done();
-    cudaStream_t stream;
-    int device;
-    OP_REQUIRES_OK_ASYNC(ctx, GpuStream(ctx, &stream, &device), done);
     LaunchAndReport<C>(
-        ctx, argmax, "ReluMaxPoolGradGradFromWindowArgmax",
-        [&](unsigned long long* bad) {
+        ctx, PooledShape(p), argmax, "ReluMaxPoolGradGradFromWindowArgmax",
+        [&](Tensor* output, unsigned long long* bad, cudaStream_t stream) {
           return ReluMaxPoolGradGradFromArgmaxGpu(p, In<T>(grad), argmax.flat<C>().data(),
                                                   Out<T>(output), bad, stream);
         },
         std::move(done));
   }
 };
+
+// The gradient reading the codes, for each type of its input_shape (Tshape).
+#define REGISTER_GRAD_FROM_ARGMAX_GPU(T, C, S)                                          \
+  REGISTER_KERNEL_BUILDER(Name("ReluMaxPoolGradFromWindowArgmax")                       \
+                              .Device(DEVICE_GPU)                                       \
+                              .HostMemory("input_shape")                                \
+                              .TypeConstraint<T>("T")                                   \
+                              .TypeConstraint<C>("Targmax")                             \
+                              .TypeConstraint<S>("Tshape"),                             \
+                          ReluMaxPoolGradFromWindowArgmaxGpuOp<T, C, S>);
 
 // Targmax uint8 and uint16 only: TensorFlow keeps int32 tensors of GPU kernels in host memory,
 // so int32 codes (windows of 65535 positions or more) run on the CPU kernels.
@@ -357,20 +359,8 @@ class ReluMaxPoolGradGradFromWindowArgmaxGpuOp : public ArgmaxReadingGpuOp {
                               .TypeConstraint<T>("T")                                   \
                               .TypeConstraint<C>("Targmax"),                            \
                           ReluMaxPoolWithWindowArgmaxGpuOp<T, C>);                      \
-  REGISTER_KERNEL_BUILDER(Name("ReluMaxPoolGradFromWindowArgmax")                       \
-                              .Device(DEVICE_GPU)                                       \
-                              .HostMemory("input_shape")                                \
-                              .TypeConstraint<T>("T")                                   \
-                              .TypeConstraint<C>("Targmax")                             \
-                              .TypeConstraint<int32_t>("Tshape"),                       \
-                          ReluMaxPoolGradFromWindowArgmaxGpuOp<T, C, int32_t>);         \
-  REGISTER_KERNEL_BUILDER(Name("ReluMaxPoolGradFromWindowArgmax")                       \
-                              .Device(DEVICE_GPU)                                       \
-                              .HostMemory("input_shape")                                \
-                              .TypeConstraint<T>("T")                                   \
-                              .TypeConstraint<C>("Targmax")                             \
-                              .TypeConstraint<int64_t>("Tshape"),                       \
-                          ReluMaxPoolGradFromWindowArgmaxGpuOp<T, C, int64_t>);         \
+  REGISTER_GRAD_FROM_ARGMAX_GPU(T, C, int32_t)                                          \
+  REGISTER_GRAD_FROM_ARGMAX_GPU(T, C, int64_t)                                          \
   REGISTER_KERNEL_BUILDER(Name("ReluMaxPoolGradGradFromWindowArgmax")                   \
                               .Device(DEVICE_GPU)                                       \
                               .TypeConstraint<T>("T")                                   \
