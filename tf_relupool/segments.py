@@ -647,7 +647,6 @@ def _replay(ops, u):
 
 def _composite(x1, x2, original):
     """A COMPOSITES row's product x * h(x) of a covered x: its segment's output, else None."""
-    import tensorflow as tf
     for x, h, first in ((x1, x2, True), (x2, x1, False)):
         source = _source(x)
         if source is None or x.shape != h.shape:
