@@ -133,22 +133,22 @@ class ReluMaxPoolGradGradFromWindowArgmaxOp : public PoolOpBase {
 };
 
 // The gradient reading the codes, for each type of its input_shape (Tshape).
-#define REGISTER_GRAD_FROM_ARGMAX_CPU(T, C, S)                                            \
-  REGISTER_KERNEL_BUILDER(Name("ReluMaxPoolGradFromWindowArgmax")                         \
-                              .Device(DEVICE_CPU)                                         \
-                              .TypeConstraint<T>("T")                                     \
-                              .TypeConstraint<C>("Targmax")                               \
-                              .TypeConstraint<S>("Tshape"),                               \
+#define REGISTER_GRAD_FROM_ARGMAX_CPU(T, C, S)                                             \
+  REGISTER_KERNEL_BUILDER(Name("ReluMaxPoolGradFromWindowArgmax")                          \
+                              .Device(DEVICE_CPU)                                          \
+                              .TypeConstraint<T>("T")                                      \
+                              .TypeConstraint<C>("Targmax")                                \
+                              .TypeConstraint<S>("Tshape"),                                \
                           ReluMaxPoolGradFromWindowArgmaxOp<T, C, S>);
 
-#define REGISTER_ARGMAX_CPU(T, C)                                                         \
+#define REGISTER_ARGMAX_CPU(T, C)                                                          \
   REGISTER_KERNEL_BUILDER(Name("ReluMaxPoolWithWindowArgmax")                              \
                               .Device(DEVICE_CPU)                                          \
                               .TypeConstraint<T>("T")                                      \
                               .TypeConstraint<C>("Targmax"),                               \
                           ReluMaxPoolWithWindowArgmaxOp<T, C>);                            \
-  REGISTER_GRAD_FROM_ARGMAX_CPU(T, C, int32_t)                                            \
-  REGISTER_GRAD_FROM_ARGMAX_CPU(T, C, int64_t)                                            \
+  REGISTER_GRAD_FROM_ARGMAX_CPU(T, C, int32_t)                                             \
+  REGISTER_GRAD_FROM_ARGMAX_CPU(T, C, int64_t)                                             \
   REGISTER_KERNEL_BUILDER(Name("ReluMaxPoolGradGradFromWindowArgmax")                      \
                               .Device(DEVICE_CPU)                                          \
                               .TypeConstraint<T>("T")                                      \
