@@ -37,8 +37,12 @@ def pure(tmp_path_factory):
 
 
 def _env(target):
-    return dict(os.environ, PYTHONPATH=str(target), TF_CPP_MIN_LOG_LEVEL="2",
-                TF_RELUPOOL_AUTOTUNE_CACHE="0")
+    """The pure package first on the path; of PYTHONPATH's entries (TensorFlow may come from
+    there, as on the GPU machine) those that hold no other tf_relupool."""
+    keep = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)
+            if p and not os.path.exists(os.path.join(p, "tf_relupool"))]
+    return dict(os.environ, PYTHONPATH=os.pathsep.join([str(target)] + keep),
+                TF_CPP_MIN_LOG_LEVEL="2", TF_RELUPOOL_AUTOTUNE_CACHE="0")
 
 
 CHECK = r"""

@@ -188,9 +188,10 @@ def test_knowledge_distillation_teacher_bitwise():
 @pytest.mark.parametrize("activation", ["relu", "relu6"])
 def test_max_pooling_1d_bitwise(activation, data_format):
     """Conv1D(activation) -> MaxPooling1D, as in keras-io's 1-D examples: channels_last fused
-    (the 2-D form over a height of 1, as stock runs it), channels_first not (on an H100 the first
-    convolution's kernel gradient differed in the last bits when it was); loss and gradients as
-    stock's."""
+    (the 2-D form over a height of 1, as stock runs it), channels_first not
+    (keras_fusion._CHANNELS_FIRST); loss and gradients as stock's. On a GPU, channels_last is
+    where XLA would fuse the convolution with a ReLU that is its only reader into one cuDNN call,
+    with other bits for z (xla._forward)."""
     def build():
         inp = keras.Input((20, 3) if data_format == "channels_last" else (3, 20))
         x = keras.layers.Conv1D(4, 3, padding="same", activation=activation, use_bias=False,
@@ -202,6 +203,18 @@ def test_max_pooling_1d_bitwise(activation, data_format):
     x = tf.round(tf.random.stateless_normal(shape, seed=[7, 8]) * 2) / 2
     _bitwise_steps(build, x, tf.constant([0, 1, 4]),
                    expect_fused=int(data_format == "channels_last"))
+
+
+def test_channels_first_1d_pool_says_why():
+    keras.utils.set_random_seed(0)
+    inp = keras.Input((3, 20))
+    x = keras.layers.Conv1D(4, 3, padding="same", activation="relu",
+                            data_format="channels_first")(inp)
+    x = keras.layers.MaxPooling1D(2, data_format="channels_first", name="pool")(x)
+    model = keras.Model(inp, keras.layers.Dense(2)(keras.layers.Flatten()(x)))
+    report = tf_relupool.fusion_report(model, batch_size=2, routes="xla")
+    (pair,) = [p for p in report.pairs if p["route"] == "xla"]
+    assert not pair["fused"] and "channels_first 1-D pool" in pair["reason"], pair
 
 
 @pytest.mark.parametrize("activations", [False, True])

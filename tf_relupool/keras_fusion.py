@@ -229,13 +229,22 @@ def _active():
     return not _bypass.active() and _enabled and xla.in_xla_context()
 
 
+#: Why a channels_first 1-D or 3-D pool (by input rank) takes stock's route under the switch.
+_CHANNELS_FIRST = {
+    3: "a channels_first 1-D pool (on a GPU, stock's XLA fuses the convolution before it with its "
+       "ReLU into one cuDNN call and the fused form does not; the convolutions' kernel gradients "
+       "differed in the last bits on an H100, 2026-12-06)",
+    5: "a channels_first 3-D pool (the XLA form's 3-D tests cover channels_last only)",
+}
+
+
 def _fuse(inputs, ksize, strides, padding, fmt, stock_pool, path):
     """The fused XLA form in place of `stock_pool(inputs)` (ksize/strides: 4-entry attributes in
     `fmt`, padding "VALID"/"SAME"), stock's pool where a fallback reason applies, or None where
     `inputs` completes no trace-time pattern. `path` names the wrapper (for the probe). A 3-D
     input is a 1-D pool (MaxPooling1D: `fmt` "NHWC" for NWC, the window's rows 1), which stock
     runs as a 2-D pool over a height of 1: so does the fused form; a 5-D input a 3-D pool
-    (MaxPooling3D, `fmt` "NDHWC"). Both channels_last only."""
+    (MaxPooling3D, `fmt` "NDHWC"). Both channels_last only (_CHANNELS_FIRST)."""
     import tensorflow as tf
     from tf_relupool import xla
     rank = inputs.shape.rank if isinstance(inputs, tf.Tensor) else None
@@ -249,9 +258,7 @@ def _fuse(inputs, ksize, strides, padding, fmt, stock_pool, path):
     if rank != 4 and fmt not in ("NHWC", "NDHWC"):
         if getattr(_local, "probe", None) is None:
             _record(fused=False, path=path, input_op=inputs.op.name,
-                    reason=f"a channels_first {rank - 2}-D pool (fused, a channels_first 1-D "
-                           "pool's gradient into the convolution before it differed from "
-                           "stock's in the last bits on an H100, 2026-12-05)")
+                    reason=_CHANNELS_FIRST[rank])
         return None
     if rank == 3:  # a 1-D pool: the 2-D form over a height of 1, its output squeezed
         axis = 1

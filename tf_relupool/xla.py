@@ -6,10 +6,10 @@ never run the op library's kernels (they have no XLA kernel) nor reach Grappler.
 build the fused op out of stock ops that XLA compiles for any backend:
 
 - forward: y is stock's own `MaxPool(Relu(z))` (the same HLO, so the same max on every XLA
-  backend), and one scan over the window positions of the same relu(z) (strided slices of the
-  padded input, which XLA fuses into one loop) gives a one-byte code per pooled element: the
-  selected window position, or `NO_GRADIENT` where the selected ReLU'd value is not > 0 (stock's
-  ReluGrad zeroes it there);
+  backend), and one scan over the window positions of z (strided slices of the padded input,
+  which XLA fuses into one loop; the same selection as over relu(z), `_forward`) gives a one-byte
+  code per pooled element: the selected window position, or `NO_GRADIENT` where the selected
+  value is not > 0 (stock's ReluGrad zeroes it there);
 - backward (`tf.custom_gradient`): dz from the codes and dy alone, built at z's shape (gathers of
   dy and the codes up to the input positions compared with constant offsets), one term per block
   of window offsets, summed in output order for overlapping windows.
@@ -240,16 +240,23 @@ def _code_strides(ranges):
     return [int(np.prod(counts[d + 1:])) for d in range(len(counts))]
 
 
-def _forward(r, pool_args, dims, data_format, relu):
+def _forward(r, pool_args, dims, data_format, z=None):
     """(y, codes): the pooled max of r and XLA's selection as a uint8 code per output.
 
-    r is relu(z) (`relu`), or f(z) for a MONOTONE f. y is stock's own `MaxPool(r)` (the same
+    r is f(z) for a MONOTONE f, or relu(z) with z given. y is stock's own `MaxPool(r)` (the same
     HLO, so the same max semantics on every XLA backend: XLA's CPU ReduceWindow skips NaNs); the
-    codes come from a scan over the same r with SelectAndScatter's comparison, and for a ReLU
-    are NO_GRADIENT where the selected value is not > 0. XLA fuses both into loops over z: r is
-    not kept."""
+    codes come from a scan with SelectAndScatter's comparison over r, or for a ReLU over z itself,
+    NO_GRADIENT where the selected value is not > 0. The two scans give the same codes: once a
+    positive value is selected, relu changes no comparison, and before it, every position is
+    non-positive or NaN in both and ends as NO_GRADIENT in both. Reading z keeps it with a reader
+    besides the ReLU, as stock's ReluGrad does: XLA's GPU compiler fuses a convolution whose only
+    reader is a ReLU into one cuDNN call (conv-bias-activation), whose algorithm can give z other
+    bits than stock's plain convolution (an H100, Conv1D -> MaxPooling1D, docs/xla.md). XLA fuses
+    the pool and the scan into loops over z: r is not kept."""
     axes = _geometry.spatial_axes(data_format)
     y = _stock_max_pool(r, *pool_args)
+    if z is not None:
+        r = z
     if any(d[3] or d[4] for d in dims):
         paddings = [[0, 0]] * r.shape.rank
         for axis, d in zip(axes, dims):
@@ -283,7 +290,7 @@ def _forward(r, pool_args, dims, data_format, relu):
         code = tf.where(take, t, code)
         if first_pad is not None:  # an in-bounds position seen: no longer before the first
             first_pad = None if in_bounds is None else first_pad & tf.logical_not(in_bounds)
-    if relu:
+    if z is not None:
         code = tf.where(sel > tf.zeros([], r.dtype), code, tf.constant(NO_GRADIENT, tf.uint8))
     return y, code
 
@@ -388,7 +395,7 @@ def relu_max_pool2d(z, ksize, strides, padding, explicit_paddings, data_format, 
     if traced is None:
         @tf.custom_gradient
         def fused(z):
-            y, code = _forward(tf.nn.relu(z), pool_args, dims, data_format, relu=True)
+            y, code = _forward(tf.nn.relu(z), pool_args, dims, data_format, z=z)
 
             def grad(dy):
                 return _backward(dy, code, dims, data_format)
@@ -403,7 +410,7 @@ def relu_max_pool2d(z, ksize, strides, padding, explicit_paddings, data_format, 
     def fused_in_place(z, pool_input):
         relu = activation is None
         y, code = _forward(tf.nn.relu(z) if relu else pool_input, pool_args, dims, data_format,
-                           relu=relu)
+                           z=z if relu else None)
 
         def grad(dy):
             if gradient_sources.route(traced.skipped) != gradient_sources.FUSED:
