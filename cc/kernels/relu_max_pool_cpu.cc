@@ -217,20 +217,15 @@ void ReluMaxPoolGradGradFromArgmaxCpu(const PoolParams& p, const T* ddz, const C
   TFRP_CPU_DISPATCH_ROWS(p, GradGradFromArgmax<T, C>(p, ddz, argmax, ddy, runner));
 }
 
-#define TFRP_INSTANTIATE_T(T)                                                                     \
-  template void ReluMaxPoolForwardCpu<T>(const PoolParams&, const T*, T*, const ParallelRunner&); \
-  template void ReluMaxPoolBackwardFromInputCpu<T>(const PoolParams&, const T*, const T*, T*,     \
-                                                   void*, const ParallelRunner&);
-#define TFRP_INSTANTIATE_TC(T, C)                                                               \
-  template void ReluMaxPoolForwardWithArgmaxCpu<T, C>(const PoolParams&, const T*, T*, C*,      \
-                                                      const ParallelRunner&);                   \
-  template void ReluMaxPoolBackwardFromArgmaxCpu<T, C>(const PoolParams&, const T*, const C*, T*, \
-                                                       const ParallelRunner&);                 \
-  template void ReluMaxPoolGradGradFromArgmaxCpu<T, C>(const PoolParams&, const T*, const C*, T*, \
-                                                       const ParallelRunner&);
-#define TFRP_INSTANTIATE_C(C) \
-  template int64_t FindInvalidArgmaxCpu<C>(const PoolParams&, const C*, const ParallelRunner&);
-TFRP_CPU_FOR_EACH_TYPE(TFRP_INSTANTIATE_T, TFRP_INSTANTIATE_TC, TFRP_INSTANTIATE_C)
+// The public names of the entry points (relu_max_pool.h), for TFRP_CPU_INSTANTIATE_ALL.
+#define TFRP_CPU_NAME(f) TFRP_CPU_PUBLIC_##f
+#define TFRP_CPU_PUBLIC_Forward ReluMaxPoolForwardCpu
+#define TFRP_CPU_PUBLIC_ForwardWithArgmax ReluMaxPoolForwardWithArgmaxCpu
+#define TFRP_CPU_PUBLIC_BackwardFromInput ReluMaxPoolBackwardFromInputCpu
+#define TFRP_CPU_PUBLIC_FindInvalidArgmax FindInvalidArgmaxCpu
+#define TFRP_CPU_PUBLIC_BackwardFromArgmax ReluMaxPoolBackwardFromArgmaxCpu
+#define TFRP_CPU_PUBLIC_GradGradFromArgmax ReluMaxPoolGradGradFromArgmaxCpu
+TFRP_CPU_INSTANTIATE_ALL
 
 }  // namespace tf_relupool
 

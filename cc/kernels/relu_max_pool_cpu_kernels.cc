@@ -714,20 +714,9 @@ void GradGradFromArgmax(const PoolParams& p, const T* ddz, const C* argmax, T* d
   });
 }
 
-#define TFRP_INSTANTIATE_T(T)                                                                   \
-  template void Forward<T>(const PoolParams&, const T*, T*, const ParallelRunner&);             \
-  template void BackwardFromInput<T>(const PoolParams&, const T*, const T*, T*, void*,          \
-                                     const ParallelRunner&);
-#define TFRP_INSTANTIATE_TC(T, C)                                                               \
-  template void ForwardWithArgmax<T, C>(const PoolParams&, const T*, T*, C*,                    \
-                                        const ParallelRunner&);                                 \
-  template void BackwardFromArgmax<T, C>(const PoolParams&, const T*, const C*, T*,             \
-                                         const ParallelRunner&);                                \
-  template void GradGradFromArgmax<T, C>(const PoolParams&, const T*, const C*, T*,             \
-                                         const ParallelRunner&);
-#define TFRP_INSTANTIATE_C(C) \
-  template int64_t FindInvalidArgmax<C>(const PoolParams&, const C*, const ParallelRunner&);
-TFRP_CPU_FOR_EACH_TYPE(TFRP_INSTANTIATE_T, TFRP_INSTANTIATE_TC, TFRP_INSTANTIATE_C)
+#define TFRP_CPU_NAME(f) f
+TFRP_CPU_INSTANTIATE_ALL
+#undef TFRP_CPU_NAME
 
 TFRP_CPU_TARGET_END
 #endif  // TFRP_CPU_ISA_COMPILED

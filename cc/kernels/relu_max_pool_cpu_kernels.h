@@ -58,6 +58,27 @@ TFRP_CPU_DECLARE_ENTRY_POINTS
 #define TFRP_CPU_FOR_EACH_CODE_TYPE_OF(T, EACH_TC) \
   EACH_TC(T, uint8_t) EACH_TC(T, uint16_t) EACH_TC(T, int32_t)
 
+// The explicit instantiations of one set of entry points for every type of the list above: the
+// file that expands TFRP_CPU_INSTANTIATE_ALL defines TFRP_CPU_NAME(f) as its name for entry point
+// f (each instruction set's: f itself; relu_max_pool_cpu.cc's: the public ...Cpu function).
+#define TFRP_CPU_INSTANTIATE_T(T)                                                            \
+  template void TFRP_CPU_NAME(Forward)<T>(const PoolParams&, const T*, T*,                  \
+                                         const ParallelRunner&);                            \
+  template void TFRP_CPU_NAME(BackwardFromInput)<T>(const PoolParams&, const T*, const T*, T*, \
+                                                   void*, const ParallelRunner&);
+#define TFRP_CPU_INSTANTIATE_TC(T, C)                                                         \
+  template void TFRP_CPU_NAME(ForwardWithArgmax)<T, C>(const PoolParams&, const T*, T*, C*,   \
+                                                      const ParallelRunner&);                 \
+  template void TFRP_CPU_NAME(BackwardFromArgmax)<T, C>(const PoolParams&, const T*, const C*, \
+                                                       T*, const ParallelRunner&);            \
+  template void TFRP_CPU_NAME(GradGradFromArgmax)<T, C>(const PoolParams&, const T*, const C*, \
+                                                       T*, const ParallelRunner&);
+#define TFRP_CPU_INSTANTIATE_C(C)                                                    \
+  template int64_t TFRP_CPU_NAME(FindInvalidArgmax)<C>(const PoolParams&, const C*, \
+                                                       const ParallelRunner&);
+#define TFRP_CPU_INSTANTIATE_ALL \
+  TFRP_CPU_FOR_EACH_TYPE(TFRP_CPU_INSTANTIATE_T, TFRP_CPU_INSTANTIATE_TC, TFRP_CPU_INSTANTIATE_C)
+
 // The narrowest code type for the keep-z backward's workspace: fn(C{}) for that C.
 template <typename Fn>
 auto WithWorkspaceCodeType(const PoolParams& p, Fn fn) {
