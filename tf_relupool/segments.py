@@ -648,8 +648,12 @@ def _replay(ops, u):
 def _composite(x1, x2, original):
     """A COMPOSITES row's product x * h(x) of a covered x: its segment's output, else None."""
     for x, h, first in ((x1, x2, True), (x2, x1, False)):
-        found = _composite_chain(x, h) if x.shape == h.shape else None
-        source = _source(x) if found is not None else None
+        if x.shape != h.shape:
+            continue
+        found = _composite_chain(x, h)  # the op-type walk first: cheaper than _source
+        if found is None:
+            continue
+        source = _source(x)
         if source is None:
             continue
         row, ops = found

@@ -240,35 +240,34 @@ def _code_strides(ranges):
     return [int(np.prod(counts[d + 1:])) for d in range(len(counts))]
 
 
-def _forward(r, pool_args, dims, data_format, z=None):
+def _forward(x, pool_args, dims, data_format, relu):
     """(y, codes): the pooled max of r and XLA's selection as a uint8 code per output.
 
-    r is f(z) for a MONOTONE f, or relu(z) with z given. y is stock's own `MaxPool(r)` (the same
-    HLO, so the same max semantics on every XLA backend: XLA's CPU ReduceWindow skips NaNs); the
-    codes come from a scan with SelectAndScatter's comparison over r, or for a ReLU over z itself,
-    NO_GRADIENT where the selected value is not > 0. The two scans give the same codes: once a
-    positive value is selected, relu changes no comparison, and before it, every position is
-    non-positive or NaN in both and ends as NO_GRADIENT in both. Reading z keeps it with a reader
-    besides the ReLU, as stock's ReluGrad does: XLA's GPU compiler fuses a convolution whose only
-    reader is a ReLU into one cuDNN call (conv-bias-activation), whose algorithm can give z other
-    bits than stock's plain convolution (an H100, Conv1D -> MaxPooling1D, docs/xla.md). XLA fuses
-    the pool and the scan into loops over z: r is not kept."""
+    x is z with `relu` (r = relu(z)), else f(z) for a MONOTONE f (r = x). y is stock's own
+    `MaxPool(r)` (the same HLO, so the same max semantics on every XLA backend: XLA's CPU
+    ReduceWindow skips NaNs); the codes come from a scan over x with SelectAndScatter's
+    comparison, for a ReLU NO_GRADIENT where the selected value is not > 0. For a ReLU the scan
+    over z gives the codes a scan over relu(z) would: once a positive value is selected, relu
+    changes no comparison, and before it, every position is non-positive or NaN in both and ends
+    as NO_GRADIENT in both. Reading z keeps it with a reader besides the ReLU, as stock's ReluGrad
+    does: XLA's GPU compiler fuses a convolution whose only reader is a ReLU into one cuDNN call
+    (conv-bias-activation), whose algorithm can give z other bits than stock's plain convolution
+    (an H100, Conv1D -> MaxPooling1D, docs/xla.md). XLA fuses the pool and the scan into loops
+    over z: r is not kept."""
     axes = _geometry.spatial_axes(data_format)
-    y = _stock_max_pool(r, *pool_args)
-    if z is not None:
-        r = z
+    y = _stock_max_pool(tf.nn.relu(x) if relu else x, *pool_args)
     if any(d[3] or d[4] for d in dims):
-        paddings = [[0, 0]] * r.shape.rank
+        paddings = [[0, 0]] * x.shape.rank
         for axis, d in zip(axes, dims):
             paddings[axis] = [d[3], d[4]]
-        r = tf.pad(r, paddings)  # padded positions are never selected (_in_bounds)
+        x = tf.pad(x, paddings)  # padded positions are never selected (_in_bounds)
     # Only the offsets that can hold an input element (window_range); the others are padding in
     # every window, never selected. Codes number the scanned positions in row-major order.
     ranges = [window_range(d) for d in dims]
     code_strides = _code_strides(ranges)
     sel = code = first_pad = None
     for offsets in itertools.product(*(range(first, last + 1) for first, last in ranges)):
-        cur = _strided(r, axes, offsets,
+        cur = _strided(x, axes, offsets,
                        [o + (d[5] - 1) * d[2] + 1 for o, d in zip(offsets, dims)],
                        [d[2] for d in dims])
         in_bounds = _in_bounds(dims, offsets, data_format)
@@ -290,8 +289,8 @@ def _forward(r, pool_args, dims, data_format, z=None):
         code = tf.where(take, t, code)
         if first_pad is not None:  # an in-bounds position seen: no longer before the first
             first_pad = None if in_bounds is None else first_pad & tf.logical_not(in_bounds)
-    if z is not None:
-        code = tf.where(sel > tf.zeros([], r.dtype), code, tf.constant(NO_GRADIENT, tf.uint8))
+    if relu:
+        code = tf.where(sel > tf.zeros([], x.dtype), code, tf.constant(NO_GRADIENT, tf.uint8))
     return y, code
 
 
@@ -395,7 +394,7 @@ def relu_max_pool2d(z, ksize, strides, padding, explicit_paddings, data_format, 
     if traced is None:
         @tf.custom_gradient
         def fused(z):
-            y, code = _forward(tf.nn.relu(z), pool_args, dims, data_format, z=z)
+            y, code = _forward(z, pool_args, dims, data_format, relu=True)
 
             def grad(dy):
                 return _backward(dy, code, dims, data_format)
@@ -409,8 +408,7 @@ def relu_max_pool2d(z, ksize, strides, padding, explicit_paddings, data_format, 
     @tf.custom_gradient
     def fused_in_place(z, pool_input):
         relu = activation is None
-        y, code = _forward(tf.nn.relu(z) if relu else pool_input, pool_args, dims, data_format,
-                           z=z if relu else None)
+        y, code = _forward(z if relu else pool_input, pool_args, dims, data_format, relu=relu)
 
         def grad(dy):
             if gradient_sources.route(traced.skipped) != gradient_sources.FUSED:
