@@ -153,6 +153,7 @@ def test_usage_errors_without_a_trial(capsys, tmp_path, small_model):
     assert "--memory-limit" in _usage_error(capsys, [small_model, "--largest-batch"])
     assert "--batch-size" in _usage_error(capsys, [small_model, "--batch-size", "0"])
     assert "--jit-compile" in _usage_error(capsys, [small_model, "--jit-compile", "maybe"])
+    assert "--repeat" in _usage_error(capsys, [small_model, "--repeat", "0"])
 
 
 def test_usage_errors_found_by_the_first_trial(capsys, tmp_path, small_model):
@@ -241,6 +242,52 @@ def test_a_switch_trial_that_does_not_fit_runs_once_more(monkeypatch):
     assert run.trial("switch", 8, 2, 4096) == {"status": "fits"}
     assert run.trial("switch", 16, 2, 4096)["status"] == "oom"  # the CPU: no autotuning
     assert len(calls) == 6
+
+
+def test_repeat_alternates_the_processes_and_reports_medians(monkeypatch):
+    """--repeat 3: stock, switch, then switch, stock, then stock, switch; each variant's step time
+    and peaks are the medians over its processes, each process's step time is listed under the
+    table, and the speed ratio is of the medians. One process on a GPU: a note says step times
+    move between processes and names --repeat."""
+    figures = {"stock": iter([(10.0, 100), (14.0, 300), (11.0, 200)]),
+               "switch": iter([(20.0, 50), (12.0, 70), (13.0, 60)])}
+    gpu = {"kind": "gpu", "name": "GPU:0", "description": "a GPU"}
+    calls = []
+
+    def fake(self, variant, batch, steps, limit):
+        calls.append(variant)
+        ms, mib = next(figures[variant])
+        return {"status": "fits", "step_seconds": ms / 1e3, "steady_peak_bytes": mib * MIB,
+                "first_peak_bytes": 2 * mib * MIB, "device": gpu}
+    monkeypatch.setattr(measure.Run, "_trial", fake)
+    report = measure.measure(measure.parse_args(["VGG16", "--repeat", "3"])[1], quiet=True)
+    assert calls == ["stock", "switch", "switch", "stock", "stock", "switch"]
+    stock, switch = report["variants"]["stock"], report["variants"]["switch"]
+    assert stock["step_seconds"] == 11.0 / 1e3 and switch["step_seconds"] == 13.0 / 1e3
+    assert stock["steady_peak_bytes"] == 200 * MIB and switch["first_peak_bytes"] == 120 * MIB
+    assert [p["step_seconds"] * 1e3 for p in switch["processes"]] == [20.0, 12.0, 13.0]
+    table = measure.render(report)
+    assert "step ms (median, 3 processes)" in table
+    row = _rows(table)["enable_recompute()"]
+    assert row[1] == "60.0 (0.30x)" and row[3] == "13.0 (0.85x speed)", row
+    assert "enable_recompute(), step ms in each process (in run order): 20.0, 12.0, 13.0" in table
+    assert "--repeat 3 gives" not in table
+
+    # A process that did not fit: its status and message stand, medians over the rest.
+    r = measure.combine([{"status": "fits", "step_seconds": 1.0},
+                         {"status": "oom", "message": "m"},
+                         {"status": "fits", "step_seconds": 3.0}])
+    assert (r["status"], r["message"], r["step_seconds"]) == ("oom", "m", 2.0)
+    one = {"status": "fits", "step_seconds": 0.01}
+    assert measure.combine([one]) is one
+
+    # One process per variant: on a GPU the note, on the CPU none.
+    figures.update(stock=iter([(10.0, 100)]), switch=iter([(12.0, 60)]))
+    report = measure.measure(measure.parse_args(["VGG16"])[1], quiet=True)
+    table = measure.render(report)
+    assert "step ms (median) |" in table and "--repeat 3 gives" in table
+    report["device"] = {"kind": "cpu", "name": "CPU:0"}
+    assert "--repeat" not in measure.render(report)
 
 
 def test_activations_flag_recomputes_under_xla(tmp_path):

@@ -17,7 +17,8 @@ It runs on the GPU when TensorFlow sees one (GPU:0, BFC allocator, `memory_limit
 limit: there a trial fits when the allocator's peak, resident bytes included, stays under it.
 
 The table: the steady step's peak above resident (median of the steps after the first), the
-first step's (it traces, compiles and, on a GPU, autotunes), the steady step time (median), the
+first step's (it traces, compiles and, on a GPU, autotunes), the steady step time (median;
+--repeat N: the medians over N fresh processes per variant, run in alternating order), the
 largest batch that trains --trial-steps steps under --memory-limit (--largest-batch: a multiple of
 --granularity, found by bracketing and bisection, one process per batch tried) and the ReLU +
 max-pool pairs the switch fused (under XLA: counted where Keras traces the model; without XLA:
@@ -30,6 +31,7 @@ import datetime
 import difflib
 import json
 import os
+import statistics
 import sys
 import time
 
@@ -298,6 +300,25 @@ def search(run, variant, measured, args):
                                                  "message", "seconds")} for b in sorted(trials)]
 
 
+MEDIAN_KEYS = ("step_seconds", "steady_peak_bytes", "first_peak_bytes")
+
+
+def combine(results):
+    """One variant's figures from its processes (--repeat): the first process's result, or the
+    first that did not fit, with the medians of MEDIAN_KEYS over the processes that fit and each
+    process's figures under "processes". One process: its result unchanged."""
+    if len(results) == 1:
+        return results[0]
+    failed = [r for r in results if r.get("status") != "fits"]
+    out = dict(failed[0] if failed else results[0])
+    for key in MEDIAN_KEYS:
+        values = [r[key] for r in results if r.get("status") == "fits" and r.get(key) is not None]
+        if values:
+            out[key] = statistics.median(values)
+    out["processes"] = [{k: r.get(k) for k in ("status",) + MEDIAN_KEYS} for r in results]
+    return out
+
+
 def render(report):
     """The table, in Markdown."""
     v, m = report["variants"], report
@@ -312,7 +333,9 @@ def render(report):
              + (f"; memory limit {limit} MiB" + (" (compared with the allocator's peak: the CPU "
                                                  "enforces none)" if dev.get("kind") == "cpu"
                                                  else "") if limit else ""), ""]
-    header = ["variant", "steady peak MiB", "first-step peak MiB", "step ms (median)"]
+    repeat = max(len(v[k].get("processes") or [None]) for k in v) if v else 1
+    header = ["variant", "steady peak MiB", "first-step peak MiB",
+              "step ms (median)" if repeat == 1 else f"step ms (median, {repeat} processes)"]
     search = any(v[k].get("largest_batch") is not None for k in v)
     if search:
         header.append(f"largest batch under {limit} MiB")
@@ -349,6 +372,14 @@ def render(report):
     notes = [f"- {LABELS[k]}, batch {m['batch_size']}: {v[k].get('status')}: {v[k].get('message')}"
              for k in VARIANTS
              if v.get(k, {}).get("status") not in (None, "fits")]
+    if repeat > 1:
+        notes += [f"- {LABELS[k]}, step ms in each process (in run order): " + ", ".join(
+            f"{p['step_seconds'] * 1e3:.1f}" if p.get("step_seconds") else p.get("status", "?")
+            for p in v[k]["processes"]) for k in VARIANTS if v.get(k, {}).get("processes")]
+    elif dev.get("kind") == "gpu":
+        notes.append("- Step times: one fresh process per variant; on a GPU one variant's step "
+                     "time moves by several percent from process to process (docs/memory.md): "
+                     "--repeat 3 gives medians over alternating processes.")
     if notes:
         lines += [""] + notes
     return "\n".join(lines)
@@ -454,6 +485,9 @@ def parse_args(argv=None):
                         "whenever a GPU is visible)")
     p.add_argument("--steps", type=_positive, default=10,
                    help="training steps of each measurement, the first included (default 10)")
+    p.add_argument("--repeat", type=_positive, default=1,
+                   help="fresh processes per variant, in alternating order; the table gives the "
+                        "medians (default 1)")
     p.add_argument("--trial-steps", type=_positive, default=2,
                    help="steps a batch must train in the largest-batch search (default 2)")
     p.add_argument("--trial-timeout", type=_positive, default=1800, metavar="SECONDS")
@@ -495,18 +529,23 @@ def measure(args, quiet=False):
     report = {"model": args.model, "source": args.source, "batch_size": args.batch_size,
               "jit_compile": args.jit_compile, "memory_limit_mib": args.memory_limit,
               "variants": {}}
+    processes = {variant: [] for variant in VARIANTS}
+    for rep in range(getattr(args, "repeat", 1)):
+        # Alternating order: stock first, then the switch first, and so on.
+        for variant in (VARIANTS if rep % 2 == 0 else VARIANTS[::-1]):
+            r = run.trial(variant, args.batch_size, args.steps, args.memory_limit)
+            run.log(f"{LABELS[variant]}, batch {args.batch_size}"
+                    + (f" under {args.memory_limit} MiB" if args.memory_limit else "")
+                    + f": {run.describe(r)}")
+            if variant == "stock" and not processes["stock"]:
+                _check_first(args, r)
+                for key in ("device", "input_shape", "output_shape", "params", "loss",
+                            "resident_bytes", "model_name"):
+                    report[key] = r.get(key)
+                report["jit_effective"] = r.get("jit_compile")
+            processes[variant].append(r)
     for variant in VARIANTS:
-        r = run.trial(variant, args.batch_size, args.steps, args.memory_limit)
-        run.log(f"{LABELS[variant]}, batch {args.batch_size}"
-                + (f" under {args.memory_limit} MiB" if args.memory_limit else "")
-                + f": {run.describe(r)}")
-        if variant == "stock":
-            _check_first(args, r)
-            for key in ("device", "input_shape", "output_shape", "params", "loss",
-                        "resident_bytes", "model_name"):
-                report[key] = r.get(key)
-            report["jit_effective"] = r.get("jit_compile")
-        report["variants"][variant] = r
+        report["variants"][variant] = combine(processes[variant])
     if args.largest_batch:
         for variant in VARIANTS:
             best, trials = search(run, variant, report["variants"][variant], args)
