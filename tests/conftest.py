@@ -22,6 +22,12 @@ settings.register_profile(
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 settings.load_profile("default")
 
+
+def examples(n):
+    """A test's own example count, capped by TF_RELUPOOL_EXAMPLES (the profile's count), so that
+    a run that asks for fewer examples gets fewer everywhere."""
+    return min(n, settings.default.max_examples)
+
 DTYPES = [tf.float16, tf.bfloat16, tf.float32, tf.float64]
 _UINT = {2: np.uint16, 4: np.uint32, 8: np.uint64}
 

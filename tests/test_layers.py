@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 import tf_relupool
 from tf_relupool import ReluMaxPool2D
-from conftest import forward_and_input_grad, global_policy, xla_hlo
+from conftest import examples, forward_and_input_grad, global_policy, xla_hlo
 
 L = keras.layers
 
@@ -32,7 +32,7 @@ def forward_and_grad(fn, x):
     return y.numpy(), tape.gradient(y, x, output_gradients=dy).numpy()
 
 
-@settings(max_examples=30, deadline=None)
+@settings(max_examples=examples(30), deadline=None)
 @given(pool=st.tuples(st.integers(1, 3), st.integers(1, 3)),
        strides=st.one_of(st.none(), st.tuples(st.integers(1, 3), st.integers(1, 3))),
        padding=st.sampled_from(["valid", "same"]),

@@ -6,7 +6,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 import tf_relupool
-from conftest import (DTYPES, all_nan_windows, assert_bitwise_equal, bits,
+from conftest import (DTYPES, all_nan_windows, assert_bitwise_equal, bits, examples,
                       forward_and_input_grad, fused_forward_and_grad, gradient_ops, make_dy,
                       nhwc_padding, nhwc_window, pool_cases, spatial_pair, stock_forward_and_grad,
                       to_nhwc)
@@ -45,7 +45,7 @@ def test_bitwise_equal_to_stock(case, keep):
 
 @pytest.mark.parametrize("keep", ["argmax", "input"])
 @given(case=pool_cases(dtypes=[tf.float32], max_spatial=24))
-@settings(max_examples=100)
+@settings(max_examples=examples(100))
 def test_bitwise_equal_to_stock_larger_images(case, keep):
     _run_case(case, keep)
 

@@ -13,8 +13,8 @@ from hypothesis import strategies as st
 import tf_relupool
 from tf_relupool import keras_fusion, xla
 
-from conftest import (assert_bitwise_equal, forward_tensors_the_backward_reads, xla_train_step,
-                      xla_value_and_grad)
+from conftest import (assert_bitwise_equal, examples, forward_tensors_the_backward_reads,
+                      xla_train_step, xla_value_and_grad)
 
 pytestmark = pytest.mark.usefixtures("switch_off")  # conftest's
 
@@ -48,7 +48,7 @@ def _ties(rng, shape, dtype, scale):
     return tf.constant(rng.integers(-4, 5, size=shape) * scale, dtype)
 
 
-@settings(max_examples=30, deadline=None)
+@settings(max_examples=examples(30), deadline=None)
 @given(act=st.sampled_from(FUSED), n=st.integers(1, 2), h=st.integers(2, 9),
        w=st.integers(2, 9), c=st.integers(1, 3),
        k=st.tuples(st.integers(1, 3), st.integers(1, 3)),
@@ -258,7 +258,7 @@ def test_fusion_report_names_the_activation():
     assert "| pool | yes (LeakyRelu) |" in str(report)
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=examples(25), deadline=None)
 @given(act=st.sampled_from(["Relu"] + FUSED), n=st.integers(1, 2), d=st.integers(2, 6),
        h=st.integers(2, 6), w=st.integers(2, 6), c=st.integers(1, 2),
        k=st.tuples(st.integers(1, 3), st.integers(1, 3), st.integers(1, 3)),

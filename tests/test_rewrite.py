@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 import tf_relupool
 from tf_relupool import ReluMaxPool2D
 
-from conftest import assert_bitwise_equal, forward_and_input_grad, global_policy
+from conftest import examples, assert_bitwise_equal, forward_and_input_grad, global_policy
 from grappler_cases import PAD_STEP
 
 L = keras.layers
@@ -236,7 +236,7 @@ def conv_pool_step(ksize, strides, padding, data_format="NHWC", extra_consumer=F
     return step.get_concrete_function(tf.TensorSpec([2, 9, 9, 3]))
 
 
-@settings(max_examples=12, deadline=None)
+@settings(max_examples=examples(12), deadline=None)
 @given(ksize=st.integers(1, 3), strides=st.integers(1, 3),
        padding=st.sampled_from(["VALID", "SAME"]), data_format=st.sampled_from(["NHWC", "NCHW"]),
        keep=st.sampled_from(["argmax", "input"]))
@@ -401,7 +401,7 @@ def pad_pool_step(ksize, strides, padding, pads, v2, pad_value=None):
     return tf.function(make()).get_concrete_function(tf.TensorSpec([2, 9, 9, 3]))
 
 
-@settings(max_examples=10, deadline=None)
+@settings(max_examples=examples(10), deadline=None)
 @given(ksize=st.integers(1, 3), strides=st.integers(1, 3),
        padding=st.sampled_from(["VALID", "SAME"]),
        pads=st.lists(st.integers(0, 2), min_size=8, max_size=8),
@@ -531,7 +531,7 @@ def adjacent_ops(graph_def, node):
     return inputs, readers
 
 
-@settings(max_examples=12, deadline=None)
+@settings(max_examples=examples(12), deadline=None)
 @given(ksize=st.integers(1, 3), strides=st.integers(1, 3),
        padding=st.sampled_from(["VALID", "SAME"]), keep=st.sampled_from(["argmax", "input"]),
        dtype=st.sampled_from(["float32", "bfloat16", "float16", "float64"]),

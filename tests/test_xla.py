@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 
 import tf_relupool
 from tf_relupool import _geometry, _versions, gradient_sources, keras_fusion, xla
-from conftest import (DTYPES, GPU_VISIBLE, assert_bitwise_equal, derivatives,
+from conftest import (DTYPES, GPU_VISIBLE, assert_bitwise_equal, derivatives, examples,
                       forward_and_input_grad, forward_tensors_the_backward_reads,
                       xla_hlo, xla_train_step, xla_value_and_grad)
 
@@ -128,7 +128,7 @@ def _forward_reference(z, k, s, padding, data_format):
     return y, has_nan
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=examples(40), deadline=None)
 @given(n=st.integers(1, 2), h=st.integers(1, 12), w=st.integers(1, 12), c=st.integers(1, 3),
        k=st.one_of(st.tuples(st.integers(1, 4), st.integers(1, 4)), _LARGE_WINDOWS),
        s=st.tuples(st.integers(1, 3), st.integers(1, 3)),
