@@ -20,8 +20,8 @@ TensorFlow initializes its GPU (XLA reads the flags then). It leaves XLA's flags
 
 Results are per GPU model and XLA version (one directory per TensorFlow version; XLA keys
 entries by the device). The cache is not free in step time: an H100 ran ResNet50's step at about
-0.90x the speed with it as without (docs/memory.md, where it is measured). No TensorFlow import here: the harness installs it in
-a worker before TensorFlow starts.
+0.90x the speed with it as without (docs/memory.md, where it is measured). No TensorFlow import
+here: the harness installs it in a worker before TensorFlow starts.
 """
 import logging
 import os
