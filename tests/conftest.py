@@ -28,6 +28,7 @@ def examples(n):
     a run that asks for fewer examples gets fewer everywhere."""
     return min(n, settings.default.max_examples)
 
+
 DTYPES = [tf.float16, tf.bfloat16, tf.float32, tf.float64]
 _UINT = {2: np.uint16, 4: np.uint32, 8: np.uint64}
 
