@@ -50,7 +50,6 @@ import os
 import platform
 import re
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -514,11 +513,6 @@ def _status_cell(r):
         for i, h in enumerate(earlier)) + ")"
 
 
-def _median_of(runs, key):
-    values = [r[key] for r in runs if r.get("status") == "fits" and r.get(key) is not None]
-    return statistics.median(values) if values else None
-
-
 def render(report):
     a, meta = report["args"], report["meta"]
     dev = meta.get("device") or {}
@@ -559,20 +553,20 @@ def render(report):
         lines += [f"## {model}" + (f", batch {a['measure_batch'].get(model, MEASURE_BATCH[model])}"
                                     f" measured" if measured else ""), "",
                   "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-        ref_t = _median_of(measured.get(ref, []), "step_seconds")
+        ref_t = devices.median_of(measured.get(ref, []), "step_seconds")
         ref_b = largest.get(ref, {}).get("batch")
         for token in tokens:
             runs = measured.get(token, [])
-            t = _median_of(runs, "step_seconds")
+            t = devices.median_of(runs, "step_seconds")
             big = largest.get(token)
             first_slow = max((tr.get("first_step_seconds") or 0 for tr in big["trials"]
                               if tr["status"] == "fits"), default=None) if big else None
-            cells = [variant_label(token), _mib(_median_of(runs, "first_peak_bytes")),
-                     _mib(_median_of(runs, "steady_peak_bytes")),
+            cells = [variant_label(token), _mib(devices.median_of(runs, "first_peak_bytes")),
+                     _mib(devices.median_of(runs, "steady_peak_bytes")),
                      f"{t * 1e3:.1f}" if t else "n/a",
                      f"{ref_t / t:.2f}x" if t and ref_t else "n/a",
-                     f"{_median_of(runs, 'first_step_seconds'):.0f}"
-                     if _median_of(runs, "first_step_seconds") else "n/a"]
+                     f"{devices.median_of(runs, 'first_step_seconds'):.0f}"
+                     if devices.median_of(runs, "first_step_seconds") else "n/a"]
             if largest:
                 cells += [(f"{big['batch']}" + (" (open)" if big["open"] else "")) if big else "-",
                           f"{big['batch'] / ref_b:.2f}x" if big and ref_b else "n/a",

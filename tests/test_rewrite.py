@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 import tf_relupool
 from tf_relupool import ReluMaxPool2D
 
-from conftest import examples, assert_bitwise_equal, forward_and_input_grad, global_policy
+from conftest import assert_bitwise_equal, examples, forward_and_input_grad, global_policy
 from grappler_cases import PAD_STEP
 
 L = keras.layers

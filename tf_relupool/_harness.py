@@ -218,6 +218,13 @@ def measure_steps(meter, step, n, errors=()):
     return steps, None
 
 
+def median_of(runs, key):
+    """The median of `key` over the trial results in `runs` that fit and have it (fresh processes
+    of one variant), or None."""
+    values = [r[key] for r in runs if r.get("status") == "fits" and r.get(key) is not None]
+    return statistics.median(values) if values else None
+
+
 def step_figures(steps, available=True):
     """A worker's figures from measure_steps' steps: the first step's time and peak above
     resident, the allocator's peak over all steps, and the steady steps' median peak (the steps

@@ -31,7 +31,6 @@ import datetime
 import difflib
 import json
 import os
-import statistics
 import sys
 import time
 
@@ -312,9 +311,9 @@ def combine(results):
     failed = [r for r in results if r.get("status") != "fits"]
     out = dict(failed[0] if failed else results[0])
     for key in MEDIAN_KEYS:
-        values = [r[key] for r in results if r.get("status") == "fits" and r.get(key) is not None]
-        if values:
-            out[key] = statistics.median(values)
+        value = h.median_of(results, key)
+        if value is not None:
+            out[key] = value
     out["processes"] = [{k: r.get(k) for k in ("status",) + MEDIAN_KEYS} for r in results]
     return out
 
