@@ -19,6 +19,7 @@ Uses Keras 3's Functional graph (`_nodes_by_depth`, node arguments): private Ker
 stable across Keras 3.x.
 """
 import logging
+import random
 
 import keras
 
@@ -294,11 +295,19 @@ class _Rewriter:
         return new
 
     def _carry_weights(self):
+        """Each copy gets its original's state: the weights, and the random seeds' states (a
+        Dropout's SeedGenerator: the copy draws the masks the original would draw next), which
+        `layer.variables` holds beside the weights."""
         pairs, self.pairs = self.pairs, []
         for old, new in pairs:
             weights = old.get_weights()
             if weights:
                 new.set_weights(weights)
+            olds, news = old.variables, new.variables
+            if len(olds) == len(news):
+                for o, n in zip(olds, news):
+                    if o.shape == n.shape and o.dtype == n.dtype:
+                        n.assign(o)
 
 
 def rewrite_model(model, keep=None):
@@ -328,7 +337,14 @@ def rewrite_model(model, keep=None):
                 " (tf.keras under TF_USE_LEGACY_KERAS is Keras 2; enable_recompute() fuses its "
                 "ReLU + max pooling without XLA: docs/keras.md)" if legacy else ""))
     rewriter = _Rewriter(keep)
-    new = rewriter.rewrite(model)
+    # The copies' random initializers and SeedGenerators take their seeds from Python's `random`
+    # when constructed (the copies' weights and seed states are then the originals'): the user's
+    # random state is put back as it was
+    python_random = random.getstate()
+    try:
+        new = rewriter.rewrite(model)
+    finally:
+        random.setstate(python_random)
     logger.info("rewrite_model: %s: %d ReLU + MaxPooling2D pair(s) fused (keep=%s, switch=%s)",
                 model.name, rewriter.fused, keep, _state.mode())
     if getattr(model, "compiled", False):

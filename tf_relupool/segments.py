@@ -163,12 +163,15 @@ def _check_dispatch():
     from keras import layers
     saved = collections.Counter(_stats)
     # named: Keras' automatic layer names stay as they were; float32: a mixed-precision policy
-    # would not be covered
+    # would not be covered; constant initializers: a random one takes its seed from Python's
+    # `random` when constructed (keras.random.make_default_seed), which would move the user's
+    # seeded experiment
     kw = dict(dtype="float32")
-    conv1 = layers.Conv2D(2, 1, use_bias=False, name="tf_relupool_probe_conv1", **kw)
+    conv = dict(kernel_initializer="ones", bias_initializer="zeros", **kw)
+    conv1 = layers.Conv2D(2, 1, use_bias=False, name="tf_relupool_probe_conv1", **conv)
     bn = layers.BatchNormalization(name="tf_relupool_probe_bn", **kw)
     relu = layers.ReLU(name="tf_relupool_probe_relu", **kw)
-    conv2 = layers.Conv2D(2, 1, name="tf_relupool_probe_conv2", **kw)
+    conv2 = layers.Conv2D(2, 1, name="tf_relupool_probe_conv2", **conv)
     counts = {}
 
     def block(x):  # traced once for both paths (Hooks.probe)
