@@ -10,13 +10,17 @@ the install probes (tf_relupool/_hooks.py) can warn.
 | keras.src.backend.common.name_scope.current_path | report rows | the user's layer names |
 | keras.src.backend.common.global_state (current_call_ctx) | xla | the model a warning names |
 | keras.src.backend.tensorflow.nn, .numpy | keras_fusion, segments | the functions wrapped |
+| Functional `_nodes_by_depth`, `_inputs_struct`, `_outputs_struct` | rewrite_model | the graph copied |
+| Sequential `_layers` | rewrite_model | its layers, InputLayer included |
+| KerasTensor `_keras_history`, Operation `_inbound_nodes` | rewrite_model | a tensor's producer |
+| tensor `_keras_logits` | segments | sigmoid's mark of its logits, for the losses |
 | keras.src.activations.activations (ReLU, Mish) | segments | their static_call, wrapped |
 | keras.src.backend.standardize_data_format | keras_fusion | Keras' pool's data format |
 | keras.src.ops.operation_utils.compute_pooling_output_shape | layers | the layer's shape |
 | keras.src.utils.argument_validation.standardize_tuple | layers | pool_size/strides checks |
 | tensorflow.python.ops.control_flow_util.GraphOrParentsInXlaContext | xla | inside XLA? |
 | tensorflow.python.framework.func_graph.FuncGraph | xla | the outermost traced function |
-| tensorflow.python.eager.context | run_metadata, autotune_cache | run metadata; GPU started? |
+| tensorflow.python.eager.context (its `_initialized`) | run_metadata, autotune_cache | run metadata; GPU started? |
 | tensorflow.python.framework.load_library.load_pluggable_device_library | grappler | the pass |
 | tensorflow.compiler.tf2xla.ops.gen_xla_ops.xla_optimization_barrier | segments | the barrier |
 """
@@ -82,6 +86,63 @@ def keras_standardize_tuple(value, n, name):
     return standardize_tuple(value, n, name)
 
 
+def keras_functional_parts(model):
+    """(nodes, inputs, outputs) of a Functional model: its nodes in call order (Keras'
+    `_nodes_by_depth`, deepest first; Keras' Node objects, of which the caller reads `operation`,
+    `input_tensors`, `outputs`, `is_input` and `arguments`), and its nested input and output
+    structures (`_inputs_struct`, `_outputs_struct`, as keras.tree flattens and packs them).
+    None for a model without them (subclassed, or a Keras that moved them: rewrite_model then
+    refuses the model as it refuses a subclassed one)."""
+    if not (hasattr(model, "_nodes_by_depth") and hasattr(model, "_outputs_struct")):
+        return None
+    by_depth = model._nodes_by_depth
+    nodes = [n for depth in sorted(by_depth, reverse=True) for n in by_depth[depth]]
+    return nodes, model._inputs_struct, model._outputs_struct
+
+
+def keras_sequential_layers(model):
+    """A Sequential model's layers in order, its InputLayer first where it has one (Keras'
+    `_layers`); where Keras moved that name, `model.layers` (without the InputLayer: the copy
+    is then built from the model's input shape)."""
+    layers = getattr(model, "_layers", None)
+    return list(model.layers if layers is None else layers)
+
+
+def keras_producer(tensor):
+    """(the operation (layer) that made KerasTensor `tensor`, the node of that call), from the
+    tensor's `_keras_history` and the operation's `_inbound_nodes`; (None, None) for a tensor
+    without that history (or where Keras moved the names: nothing is then fused)."""
+    history = getattr(tensor, "_keras_history", None)
+    if history is None:
+        return None, None
+    op, node_index, _ = history
+    nodes = getattr(op, "_inbound_nodes", None)
+    if op is None or nodes is None or len(nodes) <= node_index:
+        return None, None
+    return op, nodes[node_index]
+
+
+def keras_mark_logits(output, logits):
+    """Marks `output` (a sigmoid's) with its `logits` as Keras' own sigmoid does
+    (`output._keras_logits`), where Keras' binary cross-entropy reads them instead of the
+    probabilities; a tensor that takes no attribute stays unmarked (the loss then reads the
+    probabilities, as for any other sigmoid)."""
+    try:
+        output._keras_logits = logits
+    except AttributeError:
+        pass
+
+
+def tf_context_initialized():
+    """Whether TensorFlow's eager context has initialized (its devices, a GPU's memory:
+    `context()._initialized`); False where TensorFlow moved the name (the caller assumes it is
+    not too late)."""
+    try:
+        return bool(getattr(tf_eager_context(), "_initialized", False))
+    except Exception:  # noqa: BLE001 - a private attribute: assume it is not too late
+        return False
+
+
 def tf_in_xla_context():
     """Whether the graph being built is, or is inside, an XLA-compiled function; False where
     TensorFlow moved the name (the caller then emits stock's or the library's ops)."""
@@ -105,7 +166,7 @@ def tf_outermost_function_graph():
 
 
 def tf_eager_context():
-    """TensorFlow's eager context object (run metadata collection, its `_initialized`)."""
+    """TensorFlow's eager context object (run metadata collection; tf_context_initialized)."""
     from tensorflow.python.eager import context
     return context.context()
 

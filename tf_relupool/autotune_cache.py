@@ -76,11 +76,8 @@ def _context_initialized():
     tf = sys.modules.get("tensorflow")
     if tf is None:
         return False
-    try:
-        from tf_relupool import _compat
-        return bool(getattr(_compat.tf_eager_context(), "_initialized", False))
-    except Exception:  # noqa: BLE001 - a private attribute: assume it is not too late
-        return False
+    from tf_relupool import _compat
+    return _compat.tf_context_initialized()
 
 
 def _gpu_visible():

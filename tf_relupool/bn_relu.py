@@ -2,4 +2,4 @@
 activation recomputation is tf_relupool/segments.py (its tables: segment_table.py). Kept so that
 code written against it goes on working."""
 from tf_relupool.segments import (  # noqa: F401
-    BARRIER_ENV_VAR, _bn_call_wrapper, barrier_kind, installed, relu_input, set_enabled, stats)
+    BARRIER_ENV_VAR, barrier_kind, installed, relu_input, set_enabled, stats)

@@ -15,15 +15,15 @@ a ReLU activation called at several places, different dtype policies) get one IN
 "tf_relupool" logger. Nested Sequential/Functional models are rewritten recursively; a ReLU at
 the end of a nested model is not fused with a pool in the outer model.
 
-Uses Keras 3's Functional graph (`_nodes_by_depth`, node arguments): private Keras attributes,
-stable across Keras 3.x.
+Reads Keras 3's Functional graph (its nodes, their arguments, a tensor's producer) through
+tf_relupool/_compat.py, which holds those private Keras names.
 """
 import logging
 import random
 
 import keras
 
-from tf_relupool import _state
+from tf_relupool import _compat, _state
 from tf_relupool.layers import ReluMaxPool2D
 
 logger = logging.getLogger("tf_relupool")
@@ -147,15 +147,14 @@ def _find_sequential(layers):
 class _FunctionalGraph:
     """A Functional model's nodes in call order, and the fusable chains among them."""
 
-    def __init__(self, model):
-        self.nodes = [n for depth in sorted(model._nodes_by_depth, reverse=True)
-                      for n in model._nodes_by_depth[depth]]
+    def __init__(self, nodes, outputs):
+        self.nodes = nodes
         self.node_ids = {id(n) for n in self.nodes}
         self.consumers = {}  # id(tensor) -> its consumers, a model output counting as one
         for n in self.nodes:
             for t in n.input_tensors:
                 self.consumers[id(t)] = self.consumers.get(id(t), 0) + 1
-        for t in keras.tree.flatten(model._outputs_struct):
+        for t in keras.tree.flatten(outputs):
             self.consumers[id(t)] = self.consumers.get(id(t), 0) + 1
         self.calls = {}  # id(layer) -> the nodes that call it
         for n in self.nodes:
@@ -165,11 +164,8 @@ class _FunctionalGraph:
     def single_producer(self, t):
         """The layer and node of this model that made `t` from one input into one output, or
         (None, None)."""
-        op, node_index, _ = t._keras_history
-        if op is None or len(op._inbound_nodes) <= node_index:
-            return None, None
-        producer = op._inbound_nodes[node_index]
-        if id(producer) not in self.node_ids or producer.is_input or \
+        op, producer = _compat.keras_producer(t)
+        if producer is None or id(producer) not in self.node_ids or producer.is_input or \
                 len(producer.input_tensors) != 1 or len(producer.outputs) != 1:
             return None, None
         return op, producer
@@ -233,8 +229,9 @@ class _Rewriter:
     def rewrite(self, model):
         if isinstance(model, keras.Sequential):
             return self._sequential(model)
-        if hasattr(model, "_nodes_by_depth") and hasattr(model, "_outputs_struct"):
-            return self._functional(model)
+        parts = _compat.keras_functional_parts(model)
+        if parts is not None:
+            return self._functional(model, *parts)
         raise ValueError(
             f"rewrite_model takes a Sequential or Functional Keras model; {model.name!r} is a "
             f"subclassed {type(model).__name__}. Use ReluMaxPool2D in its code instead, or "
@@ -242,7 +239,7 @@ class _Rewriter:
 
     def _sequential(self, model):
         new_layers = []
-        for layer, pad, pool in _find_sequential(list(model._layers)):
+        for layer, pad, pool in _find_sequential(_compat.keras_sequential_layers(model)):
             if pool is None:
                 new_layers.append(self.copy_layer(layer))
                 continue
@@ -258,14 +255,14 @@ class _Rewriter:
         self._carry_weights()
         return new
 
-    def _functional(self, model):
-        graph = _FunctionalGraph(model)
+    def _functional(self, model, nodes, inputs, outputs):
+        graph = _FunctionalGraph(nodes, outputs)
         fused_pools, fused_producers = graph.find()
         self.fused += len(fused_pools)
         tensors = {}
         new_inputs = []
-        for x in keras.tree.flatten(model._inputs_struct):
-            layer = x._keras_history[0]
+        for x in keras.tree.flatten(inputs):
+            layer, _ = _compat.keras_producer(x)
             new_x = keras.layers.InputLayer.from_config(layer.get_config()).output
             tensors[id(x)] = new_x
             new_inputs.append(new_x)
@@ -277,19 +274,19 @@ class _Rewriter:
             args, kwargs = n.arguments.fill_in(tensors)
             kind = fused_producers.get(id(n))
             if kind == "drop":  # the fused pool applies this ReLU
-                outputs = tensors[id(n.input_tensors[0])]
+                made = tensors[id(n.input_tensors[0])]
             elif kind == "linearize":
-                outputs = self.copy_layer(n.operation, {"activation": "linear"})(*args, **kwargs)
+                made = self.copy_layer(n.operation, {"activation": "linear"})(*args, **kwargs)
             elif id(n) in fused_pools:
-                outputs = _fused_pool(n.operation, self.keep)(*args, **kwargs)
+                made = _fused_pool(n.operation, self.keep)(*args, **kwargs)
             else:
-                outputs = self.copy_layer(n.operation)(*args, **kwargs)
-            for old, new in zip(n.outputs, keras.tree.flatten(outputs)):
+                made = self.copy_layer(n.operation)(*args, **kwargs)
+            for old, new in zip(n.outputs, keras.tree.flatten(made)):
                 tensors[id(old)] = new
-        outputs = [tensors[id(t)] for t in keras.tree.flatten(model._outputs_struct)]
+        new_outputs = [tensors[id(t)] for t in keras.tree.flatten(outputs)]
         new = keras.Model(
-            inputs=keras.tree.pack_sequence_as(model._inputs_struct, new_inputs),
-            outputs=keras.tree.pack_sequence_as(model._outputs_struct, outputs),
+            inputs=keras.tree.pack_sequence_as(inputs, new_inputs),
+            outputs=keras.tree.pack_sequence_as(outputs, new_outputs),
             name=model.name, trainable=model.trainable)
         self._carry_weights()
         return new

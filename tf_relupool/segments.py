@@ -570,7 +570,8 @@ def _activation_wrapper(row, original):
                 seg = Segment(name, source, stock, _hold_g(row.name, row.hold))
                 out = _make_g(seg, x)
                 if row.attr == "sigmoid":  # Keras' sigmoid marks its output with its logits
-                    out._keras_logits = x
+                    from tf_relupool import _compat
+                    _compat.keras_mark_logits(out, x)
                 return out
             out = stock(x)
             _record_uncovered(name, x, row, out)
