@@ -152,6 +152,35 @@ def test_switch_is_seen_by_other_threads():
     assert seen == ["input"]
 
 
+def test_trace_time_routes_read_the_switch_from_state():
+    """_state is the switch's one store: under XLA the trace-time routes (keras_fusion,
+    segments) act on its value when traced, and the switch turning on or off installs or removes
+    their hooks; the hooks keep no copy of it (installed while the switch is off, they act on
+    nothing)."""
+    from tf_relupool import keras_fusion, segments
+    seen = []
+
+    @tf.function(jit_compile=True)
+    def probe(x):
+        seen.append((keras_fusion._active(), segments._active()))
+        return x
+    for keep, activations in ((None, False), ("argmax", False), ("input", True)):
+        with tf_relupool.recompute(keep, activations=activations):
+            assert (_state.mode(), _state.activations()) == (keep, activations)
+            assert segments.installed() is activations
+            probe.get_concrete_function(tf.TensorSpec([1 + len(seen)]))
+    assert seen == [(False, False), (True, False), (True, True)]
+    assert not segments.installed()
+    segments.set_enabled(True)  # the hooks alone, the switch off
+    try:
+        assert segments.installed()
+        probe.get_concrete_function(tf.TensorSpec([9]))
+        assert seen[-1] == (False, False)
+    finally:
+        segments.set_enabled(False)
+    assert not segments.installed()
+
+
 def test_python_copies_of_state_h_enums():
     """_state.MODE_CODES is cc/grappler/state.h's `enum Mode`, which the C API takes, and
     _clib.STAT_NAMES has one name per entry of its `enum Stat`, in order."""

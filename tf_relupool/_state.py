@@ -2,8 +2,11 @@
 may be and its one validation, the switch's mode, and the codes of cc/grappler/state.h's `Mode`
 enum that the graph optimizer's C API takes.
 
-tf_relupool.config changes the mode (and tells the routes: the Grappler pass and the trace-time
-fusion under XLA); everything else reads it here.
+The one store of the switch's value (the mode and its activation part). tf_relupool.config
+writes it under its lock, then tells each route that it changed: the trace-time routes
+(keras_fusion, segments) install or remove their hooks, which read the value here when traced;
+the Grappler pass gets the mode copied into the op library (grappler.set_mode), as C++ cannot
+read it here. The other modules (layers, rewrite_graph, rewrite_model) read it here too.
 """
 
 #: What the fused op's backward pass keeps from the forward pass.
@@ -16,7 +19,7 @@ KEEP_CHOICES = (KEEP_ARGMAX, KEEP_INPUT)
 MODE_CODES = {None: 0, KEEP_ARGMAX: 1, KEEP_INPUT: 2}
 
 _mode = None  # None (off), KEEP_ARGMAX or KEEP_INPUT; written by config under its lock
-_activations = False  # enable_recompute(activations=True): recomputed under XLA (segments.py)
+_activations = False  # enable_recompute(activations=True), only with the mode on (segments.py)
 
 
 def check_keep(keep, allow_none=False, allow_bool=False):
@@ -41,7 +44,7 @@ def mode():
 
 
 def set_mode(keep):
-    """Sets the switch's value (already checked; config holds the lock and tells the routes)."""
+    """Sets the switch's value (already checked; config holds the lock, then tells the routes)."""
     global _mode
     _mode = keep
 
@@ -52,6 +55,6 @@ def activations():
 
 
 def set_activations(on):
-    """Sets the activation part of the switch (config holds the lock and tells the routes)."""
+    """Sets the activation part of the switch (config holds the lock, then tells the routes)."""
     global _activations
     _activations = bool(on)

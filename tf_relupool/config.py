@@ -27,8 +27,9 @@ function), and by the graph optimizer when TensorFlow optimizes a function (its 
 at every step: enabling or disabling it acts on later traces only. Change it before
 ``compile``/``fit``, or re-trace: ``model.compile(...)`` again (new train/predict functions), or
 a new ``tf.function`` object for your own functions.
-The switch's value lives in tf_relupool/_state.py (a leaf module: layers, rewrite_graph,
-rewrite_model and keras_fusion read it there); this module sets it and tells both routes.
+The switch's value lives in tf_relupool/_state.py alone (a leaf module: layers, rewrite_graph,
+rewrite_model, keras_fusion and segments read it there when traced); this module writes it and
+then tells the routes that it changed (`_notify_routes`).
 The switch is process-global (not per thread) so that replica threads of a
 ``tf.distribute`` strategy see the same value as the thread that set it.
 """
@@ -209,12 +210,13 @@ def _warn_legacy_keras():
 
 
 def _notify_routes(at_import=False):
-    """Pushes the switch, once per change, to the graph optimizer inside TensorFlow
-    (tf_relupool/grappler.py), the trace-time fusion under XLA (tf_relupool/keras_fusion.py;
-    `at_import`: its dispatch probe waits for the first gradient, as importing must not
-    initialize TensorFlow's context) and the activation recomputation (segments.py): the routes
-    keep what they were given and read nothing back; turning it on also points XLA at the
-    switch's persistent autotune cache (autotune_cache.py)."""
+    """Tells the routes, once per change, that the switch (already written to _state) changed:
+    the trace-time fusion under XLA (tf_relupool/keras_fusion.py; `at_import`: its dispatch
+    probe waits for the first gradient, as importing must not initialize TensorFlow's context)
+    and the activation recomputation (segments.py) install or remove their hooks, which read
+    _state when traced; the graph optimizer inside TensorFlow (tf_relupool/grappler.py) gets the
+    mode copied into the op library, the one copy, as its C++ cannot read _state. Turning the
+    switch on also points XLA at the switch's persistent autotune cache (autotune_cache.py)."""
     mode = _state.mode()
     if mode is not None:  # before the probe below may start TensorFlow's GPU
         autotune_cache.install()

@@ -47,13 +47,12 @@ import threading
 
 import numpy as np
 
-from tf_relupool import _geometry, _reentry, gradient_sources, patterns, segments
+from tf_relupool import _geometry, _reentry, _state, gradient_sources, patterns, segments
 from tf_relupool._hooks import Hooks
 
 logger = logging.getLogger("tf_relupool")
 
 _hooks = Hooks()  # Keras' max_pool and tf.nn's while the switch is on
-_enabled = False  # the switch, as config pushed it (set_enabled)
 _TF_NAMES = ("max_pool2d", "max_pool")
 _local = threading.local()  # .probe: the names reached
 _stats = {"fused": 0, "fused_through_pad": 0, "fused_monotone": 0}
@@ -112,15 +111,13 @@ def _tf_nn_modules():
 
 
 def set_enabled(on, probe_now=True):
-    """The switch, pushed by config: installs (on) or removes (off) the wrappers around Keras'
-    TensorFlow max_pool and TensorFlow's tf.nn.max_pool2d / tf.nn.max_pool, and the tape wrapper
-    the fused gradient asks (gradient_sources); after an install, probes that the calls reach
-    them (module doc): now, or with `probe_now` False (the switch set from the environment at
-    import, which must not initialize TensorFlow's context) at the first
-    tf.GradientTape.gradient call."""
-    global _enabled
+    """Installs (on) or removes (off) the wrappers around Keras' TensorFlow max_pool and
+    TensorFlow's tf.nn.max_pool2d / tf.nn.max_pool, and the tape wrapper the fused gradient asks
+    (gradient_sources); after an install, probes that the calls reach them (module doc): now, or
+    with `probe_now` False (the switch set from the environment at import, which must not
+    initialize TensorFlow's context) at the first tf.GradientTape.gradient call. Config calls it
+    when the switch (_state.mode(), which the wrappers read when traced) turns on or off."""
     gradient_sources.require("keras_fusion", on)
-    _enabled = bool(on)
     if not on:
         _hooks.remove()
         return
@@ -226,7 +223,7 @@ _bypass = _reentry.Reentry()
 
 def _active():
     from tf_relupool import xla
-    return not _bypass.active() and _enabled and xla.in_xla_context()
+    return not _bypass.active() and _state.mode() is not None and xla.in_xla_context()
 
 
 #: Why a channels_first 1-D or 3-D pool (by input rank) takes stock's route under the switch.

@@ -58,7 +58,7 @@ import logging
 import os
 import weakref
 
-from tf_relupool import _reentry, gradient_sources, segment_table
+from tf_relupool import _reentry, _state, gradient_sources, segment_table
 from tf_relupool._hooks import Hooks
 
 logger = logging.getLogger("tf_relupool")
@@ -67,7 +67,6 @@ BARRIER_ENV_VAR = "TF_RELUPOOL_BN_RELU_BARRIER"
 BARRIERS = ("auto", "xla", "select")
 
 _hooks = Hooks()  # the table's Keras functions while the recomputation is on
-_enabled = False  # the recomputation, as config pushed it (set_enabled)
 _stats = collections.Counter()
 _DTYPES = ("float16", "bfloat16", "float32", "float64")
 
@@ -142,15 +141,14 @@ def _targets():
 
 
 def set_enabled(on):
-    """The recomputation, pushed by config: installs (on) or removes (off) the hooks, and
-    requires the tape wrapper its gradient-source check reads (gradient_sources). Removing
+    """Installs (on) or removes (off) the hooks, and requires (or releases) the tape wrapper
+    their gradient-source check reads (gradient_sources); config calls it when the switch's
+    activation part (_state.activations(), which the hooks read when traced) changes. Removing
     restores each original unless something else replaced it since (that stays). After an
     install, a probe traces a tiny conv -> BN -> ReLU -> conv inside
     tf.function(jit_compile=True) (no compilation) and warns where Keras' calls did not reach the
     hooks."""
-    global _enabled
     gradient_sources.require("segments", on)
-    _enabled = bool(on)
     if not on:
         _hooks.remove()
     elif _hooks.install(_targets()):
@@ -194,7 +192,7 @@ def _check_dispatch():
 
 
 def _active():
-    if not _enabled:
+    if not _state.activations():
         return False
     from tf_relupool import xla
     return xla.in_xla_context()
