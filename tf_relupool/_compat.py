@@ -22,6 +22,7 @@ the install probes (tf_relupool/_hooks.py) can warn.
 | tensorflow.python.framework.func_graph.FuncGraph | xla | the outermost traced function |
 | tensorflow.python.eager.context (its `_initialized`) | run_metadata, autotune_cache | run metadata; GPU started? |
 | tensorflow.python.framework.load_library.load_pluggable_device_library | grappler | the pass |
+| tensorflow.python.framework.op_callbacks | report | each traced op's Keras layer |
 | tensorflow.compiler.tf2xla.ops.gen_xla_ops.xla_optimization_barrier | segments | the barrier |
 """
 
@@ -174,6 +175,33 @@ def tf_eager_context():
 def tf_load_pluggable_device_library(path):
     from tensorflow.python.framework import load_library
     return load_library.load_pluggable_device_library(path)
+
+
+def tf_op_creation_callback(fn):
+    """A context manager: while it is open, `fn(op)` is called on this thread for every op built
+    into a graph (TensorFlow's op callbacks, as tf.debugging's dump uses them); the graph is left
+    as built. Open it inside a traced function: opened eagerly, TensorFlow swaps its module-wide
+    eager execute function. Where TensorFlow moved the name, nothing is called."""
+    import contextlib
+
+    @contextlib.contextmanager
+    def block():
+        try:
+            from tensorflow.python.framework import op_callbacks
+        except ImportError:
+            yield
+            return
+
+        def callback(op_type, inputs, attrs, outputs, op_name=None, graph=None):
+            if outputs and graph is not None and hasattr(outputs[0], "op"):
+                fn(outputs[0].op)
+            return None
+        op_callbacks.add_op_callback(callback)
+        try:
+            yield
+        finally:
+            op_callbacks.remove_op_callback(callback)
+    return block()
 
 
 def tf_xla_optimization_barrier():

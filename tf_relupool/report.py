@@ -14,25 +14,57 @@ run, twice with the switch on:
   graph pass decides; its decisions come from running the pass over the traced graph offline
   (tf_relupool._clib.rewrite_serialized_graph), as Grappler would.
 
+Rows name the model's own layers by their Keras path ("sequential/max_pooling2d": the model,
+then the layer's name as `model.layers` gives it), on both routes: each op of the traced step is
+mapped to the Keras layers being called when it was built. A function called on
+the model's symbolic tensors (`keras.activations.swish(x)`, `keras.ops.nn.relu(x)`) is an
+operation of the model's graph, and its rows name it ("functional/silu"). Reasons name the layer
+an op comes from ("the pool's input comes from layer 'bn' (BatchNormalization, its op AddV2)"),
+not the op alone.
+
 Bytes saved per step, for a fused pair: the pool's input (the ReLU's output, or its padded
-copy), which stock keeps for the pool's backward, minus the one-byte codes the fused op keeps
-instead, at the traced batch size.
+copy), which stock's graph keeps for the pool's backward, minus the one-byte codes the fused op
+keeps instead, at the traced batch size. It counts those tensors, not XLA's allocation: XLA's
+temporary buffer can fall by more (the fused form also changes what else XLA keeps and copies
+around the pool) or by less (it reuses freed buffers); the report prints this (BYTES_NOTE), and
+`python -m tf_relupool.measure` measures a step's peak.
+
+3-D max pools: the XLA route fuses them; the graph pass covers 2-D pools only, and the
+"grappler" route lists each 3-D pool as not fused, saying so (NOT_COVERED_3D).
 
 With `activations=True` the XLA trace also runs `enable_recompute(activations=True)` and lists
 every segment (tf_relupool/segments.py): recomputed, or why it took stock's route, and for a
 recomputed one the bytes of its output, which stock keeps for the next layer's gradient (an
 upper bound of what XLA frees: it may keep a copy of its own), and every activation of the table
-that starts no segment, with why (its input is kept by nothing else, say).
+that starts no segment, with why (its input is kept by nothing else, say). An activation whose
+output a fused max pool reads (a ReLU or LeakyReLU before a pool) is listed as taken by that pool
+fusion, with the pool's row named: the pool keeps one-byte codes instead of its output, and it
+counts neither as a segment nor as an activation in no segment.
 
 Routes available: the XLA route needs no op library; the graph pass does. Where the library is
 missing (a no-compiler install, docs/install.md) the report says so on its first line, and the
 "grappler" route lists no pairs.
 """
 import collections
+import contextlib
+import re
+import threading
 
 from tf_relupool import _loader, _state
 
 Pair = collections.namedtuple("Pair", "route where fused reason bytes_saved")
+
+
+#: what the report's byte figures count, printed under its tables
+BYTES_NOTE = (
+    "Bytes: a fused pair's \"saved per step\" is the pool's input (the activation's output, or "
+    "its padded copy) that stock's graph keeps for the pool's gradient, less the one byte per "
+    "pooled element the fused op keeps instead, at the traced batch size; a recomputed "
+    "segment's is its output's size (at most what XLA frees: it may keep a copy of its own). "
+    "They count those tensors only, not what XLA allocates: "
+    "XLA's temporary buffer can fall by more (the fused form also changes which other tensors "
+    "XLA keeps and copies around the pool) or by less (it reuses freed buffers). "
+    "python -m tf_relupool.measure measures a step's peak memory.")
 
 
 class FusionReport:
@@ -76,7 +108,11 @@ class FusionReport:
             lines.append(f"\n{route}: {len(self.fused(route))} of "
                          f"{sum(p['route'] == route for p in self.pairs)} ReLU + max-pool "
                          f"pair(s) fused, {self.bytes_saved(route) / 2 ** 20:.2f} MiB saved per "
-                         "step")
+                         "step (bytes below)")
+            flat = sum(p["route"] == route and p.get("rank") == 3 for p in self.pairs)
+            if flat:
+                lines.append(f"{route}: {flat} 3-D max pool(s) not covered on this route (the "
+                             "graph pass fuses 2-D pools only)")
         if self.segments is not None:
             lines += ["", "Activations recomputed under XLA (enable_recompute(activations=True)):",
                       "", "| where | what | recomputed | why not | saved per step |",
@@ -87,26 +123,117 @@ class FusionReport:
                              f"{'yes' if g['recomputed'] else 'no'} | {g['reason'] or ''} | "
                              f"{saved} |")
             done = [g for g in self.segments if g["recomputed"]]
-            outside = sum(not g["segment"] for g in self.segments)
-            lines.append(f"\n{len(done)} of {len(self.segments) - outside} segment(s) "
+            pooled = sum(bool(g.get("pool_fusion")) for g in self.segments)
+            outside = sum(not g["segment"] and not g.get("pool_fusion") for g in self.segments)
+            lines.append(f"\n{len(done)} of {len(self.segments) - outside - pooled} segment(s) "
                          f"recomputed, {sum(g['bytes_saved'] or 0 for g in done) / 2 ** 20:.2f} "
-                         f"MiB saved per step at most; {outside} activation(s) in no segment")
+                         f"MiB saved per step at most; {outside} activation(s) in no segment" +
+                         (f"; {pooled} taken by the ReLU + max-pool fusion" if pooled else ""))
+        lines += ["", BYTES_NOTE]
         return "\n".join(lines)
 
     __repr__ = __str__
 
 
-def _step(model):
-    """The model's training step: forward, a loss over its outputs, the weights' gradients."""
+def _step(model, paths):
+    """The model's training step: forward, a loss over its outputs, the weights' gradients.
+    Tracing it fills `paths`: {op name: the Keras layers being called when the op was built}."""
     import tensorflow as tf
+    from tf_relupool import _compat
 
     def step(x):
-        with tf.GradientTape() as tape:
-            out = model(x, training=True)
-            loss = tf.add_n([tf.reduce_sum(tf.cast(o, tf.float32))
-                             for o in tf.nest.flatten(out)])
-        return tape.gradient(loss, model.trainable_variables)
+        graph = tf.compat.v1.get_default_graph()
+
+        def built(op):
+            if op.graph is graph:
+                paths[op.name] = _compat.keras_layer_path()
+        with _compat.tf_op_creation_callback(built):
+            with tf.GradientTape() as tape:
+                out = model(x, training=True)
+                loss = tf.add_n([tf.reduce_sum(tf.cast(o, tf.float32))
+                                 for o in tf.nest.flatten(out)])
+            return tape.gradient(loss, model.trainable_variables)
     return step
+
+
+_scoping = threading.Lock()
+
+
+@contextlib.contextmanager
+def _operations_scoped(model):
+    """While the block runs, each operation of the model's graphs that is not a layer (a function
+    such as `keras.activations.swish` or `keras.ops.nn.relu` called on the model's symbolic
+    tensors) is called inside a Keras name scope of its own name, so that what it builds is named
+    "model/silu" as a layer's ops are, not after the model alone. The operations' `call` is put
+    back as it was when the block ends; reports serialize on these objects."""
+    import keras
+    with _scoping:
+        patched = []
+        try:
+            for op in _objects(model).values():
+                if isinstance(op, keras.layers.Layer) or "call" in vars(op):
+                    continue
+                original = op.call
+
+                def call(*args, _op=op, _call=original, **kwargs):
+                    with keras.name_scope(_op.name, caller=_op):
+                        return _call(*args, **kwargs)
+                op.call = call
+                patched.append(op)
+            yield
+        finally:
+            for op in patched:
+                del op.call
+
+
+def _objects(model):
+    """{name: layer or operation} of the model's layers and the operations of its graphs, nested
+    models' included."""
+    found, seen, todo = {}, set(), [model]
+    while todo:
+        obj = todo.pop()
+        if id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        found.setdefault(obj.name, obj)
+        todo.extend(getattr(obj, "layers", None) or [])
+        todo.extend(getattr(obj, "operations", None) or [])
+    return found
+
+
+class _Names:
+    """The model's own names for the ops of a traced step."""
+
+    def __init__(self, model, paths):
+        self.paths = paths
+        self.objects = _objects(model)
+        self.model = model.name
+
+    def path(self, op_name):
+        """The Keras layers being called when op `op_name` was built ("sequential/conv2d"), or
+        None (an op outside every layer, or not seen)."""
+        path = self.paths.get(op_name)
+        return path if path and path != self.model else None
+
+    def of(self, op_name, op_type=None):
+        """The layer or operation that built op `op_name`, as a reason names it ("layer 'bn'
+        (BatchNormalization)", with ", its op AddV2" given `op_type`), or None."""
+        path = self.path(op_name)
+        if path is None:
+            return None
+        import keras
+        name = path.rsplit("/", 1)[-1]
+        obj = self.objects.get(name)
+        kind = "layer" if obj is None or isinstance(obj, keras.layers.Layer) else "operation"
+        detail = [type(obj).__name__] if obj is not None else []
+        if op_type:
+            detail.append(f"its op {op_type}")
+        return f"{kind} {name!r}" + (f" ({', '.join(detail)})" if detail else "")
+
+    def replaced(self, text):
+        """`text` (a line of the graph pass's log) with each op name in it
+        ("sequential_1/conv2d_1/Relu") replaced by the Keras path of the layer that built it."""
+        return re.sub(r"[\w./-]+", lambda m: self.path(m.group(0)) or m.group(0), text)
 
 
 def _spec(model, batch_size):
@@ -125,71 +252,114 @@ def _xla_pairs(model, spec, keep, activations=False):
     """(pairs, segment rows) of the XLA trace; the rows are [] without `activations`."""
     import tensorflow as tf
     from tf_relupool import config, keras_fusion, segments
+    paths = {}
     with config.recompute(keep, activations=activations), keras_fusion.recording() as events, \
-            segments.recording() as traced:
-        tf.function(_step(model), jit_compile=True).get_concrete_function(spec)
+            segments.recording() as traced, _operations_scoped(model):
+        tf.function(_step(model, paths), jit_compile=True).get_concrete_function(spec)
+    names = _Names(model, paths)
+    pairs, pooled = [], {}
+    for e in events:
+        saved = (e["pool_input_bytes"] - e["code_bytes"]
+                 if e.get("pool_input_bytes") is not None else None)
+        where = e["scope"] or e.get("input_op") or "?"
+        if e["fused"]:
+            pooled[e.get("input_op")] = where
+        pairs.append({"route": "xla", "where": where, "fused": e["fused"],
+                      "reason": _pool_reason(e.get("reason"), e.get("input_op"), names),
+                      "activation": e.get("activation"),
+                      "bytes_saved": saved if e["fused"] else None})
     segment_rows = []
     for g in traced:
         out = g.output
         recomputed = g.route == "recomputed"
+        pool = pooled.get(getattr(getattr(out, "op", None), "name", None))
+        if pool is not None and not recomputed:
+            reason = (f"taken by the ReLU + max-pool fusion of {pool!r} (its row above): the "
+                      "pool keeps one-byte codes for its gradient, not this output")
+        else:
+            reason = None if recomputed else _segment_reason(g, names)
         segment_rows.append({
             "where": g.where, "what": g.name, "recomputed": recomputed,
             "segment": not isinstance(g, segments.Uncovered),
-            "reason": None if recomputed else (g.route or "no gradient traced"),
+            "pool_fusion": None if recomputed else pool,
+            "reason": reason,
             "bytes_saved": (out.shape.num_elements() * out.dtype.size
                             if recomputed and out.shape.is_fully_defined() else None)})
-    pairs = []
-    names = _layer_names(model)
-    for e in events:
-        saved = (e["pool_input_bytes"] - e["code_bytes"]
-                 if e.get("pool_input_bytes") is not None else None)
-        reason = e.get("reason")
-        producer = _producer_layer(e.get("input_op"), names - {model.name})
-        if reason and producer:
-            reason = f"after layer {producer!r}: {reason}"
-        pairs.append({"route": "xla", "where": e["scope"] or e.get("input_op") or "?",
-                      "fused": e["fused"], "reason": reason,
-                      "activation": e.get("activation"),
-                      "bytes_saved": saved if e["fused"] else None})
     return pairs, segment_rows
 
 
-def _layer_names(model):
-    """The names of the model's layers, nested models' included."""
-    names, todo = set(), [model]
-    while todo:
-        layer = todo.pop()
-        names.add(layer.name)
-        todo.extend(getattr(layer, "layers", []))
-    return names
+def _pool_reason(reason, input_op, names):
+    """A pool's reason, naming the layer its input comes from instead of that layer's last op."""
+    if not reason:
+        return reason
+    m = re.match(r"the pool's input comes from (\w+),", reason)
+    source = names.of(input_op, m.group(1) if m else None)
+    if source is None:
+        return reason
+    if m:
+        return f"the pool's input comes from {source},{reason[m.end():]}"
+    return f"after {source}: {reason}"
 
 
-def _producer_layer(op_name, names):
-    """The user's layer whose call made the op `op_name` ("functional_1/bn_1/batchnorm/add_1"
-    -> "bn"): the first scope of the op's name that is a layer name, as it is or without the
-    "_N" TensorFlow appends to a scope traced again; None if none is."""
-    import re
-    for part in (op_name or "").split("/")[:-1]:
-        candidates = [part]
-        while re.search(r"_\d+$", candidates[-1]):
-            candidates.append(re.sub(r"_\d+$", "", candidates[-1]))
-        for c in candidates:
-            if c in names:
-                return c
+def _segment_reason(g, names):
+    """Why segment row `g` (segments.Segment or Uncovered) is not recomputed, naming the layers
+    where its reason names an op: the consumer its output also feeds, the producer of its input."""
+    reason = g.route or "no gradient traced"
+    out = getattr(g, "output", None)
+    m = re.search(r"output also feeds (\w+)$", reason)
+    if m and out is not None:
+        ours = getattr(g, "ops", set())
+        for op in out.consumers():
+            if op.type == m.group(1) and op.name not in ours:
+                layer = names.of(op.name)
+                if layer is not None:
+                    return reason[:m.start(1)] + layer
+                break
+        return reason
+    m = re.search(r"its input \(from (\w+)\)", reason)
+    if m and out is not None:
+        op = _ancestor(out.op, m.group(1))
+        source = names.of(op.name, m.group(1)) if op is not None else None
+        if source is not None:
+            own = names.path(op.name) == g.where
+            return (reason[:m.start()] +
+                    (f"its input ({m.group(1)} inside the same layer, before its activation)"
+                     if own else f"its input (from {source})") + reason[m.end():])
+    return reason
+
+
+def _ancestor(op, op_type, depth=8):
+    """The nearest op of type `op_type` among `op`'s inputs, theirs, ... (breadth first, at most
+    `depth` ops deep), or None."""
+    level, seen = [op], set()
+    for _ in range(depth):
+        level = [t.op for o in level for t in o.inputs if t.op.name not in seen]
+        for o in level:
+            seen.add(o.name)
+            if o.type == op_type:
+                return o
     return None
 
 
 _POOLS = ("MaxPool", "MaxPoolV2")
+_POOLS_3D = ("MaxPool3D",)
 _FUSED = ("ReluMaxPool", "ReluMaxPoolWithWindowArgmax")
+#: a 3-D max pool's row on the Grappler route
+NOT_COVERED_3D = ("a 3-D max pool (MaxPool3D): the graph pass covers 2-D pools only; without "
+                  "XLA it runs stock's ops (the \"xla\" route covers 3-D pools)")
 
 
 def _grappler_pairs(model, spec, keep):
     import tensorflow as tf
     from tf_relupool import _clib
-    concrete = tf.function(_step(model), jit_compile=False).get_concrete_function(spec)
+    paths = {}
+    with _operations_scoped(model):
+        concrete = tf.function(_step(model, paths),
+                               jit_compile=False).get_concrete_function(spec)
+    names = _Names(model, paths)
     graph_def = concrete.graph.as_graph_def()
     before = {n.name: n for n in graph_def.node}
-    pools = [n for n in graph_def.node if n.op in _POOLS]
+    pools = [n for n in graph_def.node if n.op in _POOLS + _POOLS_3D]
     fused_count, data, log = _clib.rewrite_serialized_graph(
         graph_def.SerializeToString(), keep, preserve=[o.op.name for o in concrete.outputs])
     after = {}
@@ -199,7 +369,8 @@ def _grappler_pairs(model, spec, keep):
         after = {n.name: n for n in rewritten.node}
     pairs = []
     for pool in pools:
-        source = before.get(pool.input[0].split(":")[0].lstrip("^"))
+        source_name = pool.input[0].split(":")[0].lstrip("^")
+        source = before.get(source_name)
         node = after.get(pool.name)
         fused = node is not None and node.op in _FUSED
         if not fused and data is not None and pool.name not in after:
@@ -207,10 +378,14 @@ def _grappler_pairs(model, spec, keep):
         reason = None
         if not fused:
             mentions = [line for line in log if pool.name in line]
-            if mentions:
-                reason = mentions[0]
+            if pool.op in _POOLS_3D:
+                reason = NOT_COVERED_3D
+            elif mentions:
+                reason = names.replaced(mentions[0])
             elif source is not None and source.op not in ("Relu", "Pad", "PadV2"):
-                reason = f"the pool's input comes from {source.op}, not a ReLU (or a zero Pad of one)"
+                reason = (f"the pool's input comes from "
+                          f"{names.of(source_name, source.op) or source.op}, not a ReLU (or a "
+                          "zero Pad of one)")
             else:
                 reason = ("left stock by the graph pass (tf_relupool.grappler.set_verbose() logs "
                           "its reasons)")
@@ -221,8 +396,10 @@ def _grappler_pairs(model, spec, keep):
             dtype = concrete.graph.get_operation_by_name(pool.name).inputs[0].dtype
             if shape.is_fully_defined() and out.is_fully_defined():
                 saved = shape.num_elements() * dtype.size - out.num_elements()
-        pairs.append({"route": "grappler", "where": pool.name.rsplit("/", 1)[0], "fused": fused,
-                      "reason": reason, "bytes_saved": saved})
+        pairs.append({"route": "grappler",
+                      "where": names.path(pool.name) or pool.name.rsplit("/", 1)[0],
+                      "fused": fused, "reason": reason, "bytes_saved": saved,
+                      "rank": 3 if pool.op in _POOLS_3D else 2})
     return pairs
 
 
@@ -239,7 +416,11 @@ def fusion_report(model, batch_size=32, routes=("xla", "grappler"), keep="argmax
         (XLA route only).
 
     Returns:
-      A FusionReport: `pairs` (route, where, fused, reason, bytes_saved) and a printable table.
+      A FusionReport: `pairs` (dicts: route, where (the pool's Keras path), fused, reason (why
+      not, naming the model's layers), bytes_saved; "xla" pairs also activation, "grappler"
+      pairs rank, 3 for a 3-D pool, else 2), `segments` with `activations` (dicts: where, what,
+      recomputed, segment, pool_fusion (the fused pool's path where a pool fusion took the
+      activation, else None), reason, bytes_saved) and a printable table.
 
     Raises:
       ValueError: a bad argument, named.
