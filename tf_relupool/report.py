@@ -25,8 +25,8 @@ not the op alone.
 Bytes saved per step, for a fused pair: the pool's input (the ReLU's output, or its padded
 copy), which stock's graph keeps for the pool's backward, minus the one-byte codes the fused op
 keeps instead, at the traced batch size. It counts those tensors, not XLA's allocation: XLA's
-temporary buffer can fall by more (the fused form also changes what else XLA keeps and copies
-around the pool) or by less (it reuses freed buffers); the report prints this (BYTES_NOTE), and
+temporary buffer can change by more or by less (XLA decides which tensors it keeps, copies or
+fuses, and reuses freed buffers); the report prints this (BYTES_NOTE), and
 `python -m tf_relupool.measure` measures a step's peak.
 
 3-D max pools: the XLA route fuses them; the graph pass covers 2-D pools only, and the
@@ -61,10 +61,9 @@ BYTES_NOTE = (
     "its padded copy) that stock's graph keeps for the pool's gradient, less the one byte per "
     "pooled element the fused op keeps instead, at the traced batch size; a recomputed "
     "segment's is its output's size (at most what XLA frees: it may keep a copy of its own). "
-    "They count those tensors only, not what XLA allocates: "
-    "XLA's temporary buffer can fall by more (the fused form also changes which other tensors "
-    "XLA keeps and copies around the pool) or by less (it reuses freed buffers). "
-    "python -m tf_relupool.measure measures a step's peak memory.")
+    "They count those tensors only, not what XLA allocates: XLA's temporary buffer can change "
+    "by more or by less (XLA decides which tensors it keeps, copies or fuses, and reuses freed "
+    "buffers). python -m tf_relupool.measure measures a step's peak memory.")
 
 
 class FusionReport:
