@@ -3,11 +3,9 @@
 
 At Keras' default compile on a GPU, XLA autotunes every convolution and matrix product of a
 training step the first time it compiles the step, with buffers taken from TensorFlow's
-allocator. Under a tight memory budget that autotuning is what decides the largest batch: on an
-H200 limited to 4 GiB, VGG16 under the switch trains batch 24 when it autotunes and batch 40
-when it finds its results on disk (2026-12-03, docs/memory.md), and its first step takes 7 s
-instead of 139 s. A process that finds the results of an earlier compile of the same step in
-XLA's persistent cache does not autotune it again.
+allocator. Under a tight memory budget that autotuning can decide the largest batch, and it
+makes the first step slow (docs/memory.md gives the figures). A process that finds the results
+of an earlier compile of the same step in XLA's persistent cache does not autotune it again.
 
 `install()` points XLA at a cache directory through `XLA_FLAGS`, once per process, before
 TensorFlow initializes its GPU (XLA reads the flags then). It leaves XLA's flags alone when:
@@ -19,9 +17,9 @@ TensorFlow initializes its GPU (XLA reads the flags then). It leaves XLA's flags
   visible, a WARNING says so and what to do).
 
 Results are per GPU model and XLA version (one directory per TensorFlow version; XLA keys
-entries by the device). The cache is not free in step time: an H100 ran ResNet50's step at about
-0.90x the speed with it as without (docs/memory.md, where it is measured). No TensorFlow import
-here: the harness installs it in a worker before TensorFlow starts.
+entries by the device). The cache is not free in step time: every XLA compile of the process
+reads and writes it (docs/memory.md: what it costs, and when to turn it off). No TensorFlow
+import here: the harness installs it in a worker before TensorFlow starts.
 """
 import logging
 import os

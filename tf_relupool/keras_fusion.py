@@ -230,7 +230,7 @@ def _active():
 _CHANNELS_FIRST = {
     3: "a channels_first 1-D pool (on a GPU, stock's XLA fuses the convolution before it with its "
        "ReLU into one cuDNN call and the fused form does not; the convolutions' kernel gradients "
-       "differed in the last bits on an H100, 2026-12-06)",
+       "differed in the last bits; docs/xla.md)",
     5: "a channels_first 3-D pool (the XLA form's 3-D tests cover channels_last only)",
 }
 

@@ -359,7 +359,7 @@ class Segment:
         self.source = source        # how u is recomputed
         self.op = op                # op(u_value, *extra_values): stock's call
         # G's recomputation behind the barrier; not with a kept shortcut among the roots (held,
-        # it changed the fusion of an identity block's sum and its bits, measured on the CPU)
+        # it changed the fusion of an identity block's sum and its bits: docs/activations.md)
         self.hold = hold and not source.shortcut
         self.extra = list(extra)    # kept tensors the op reads besides u (the gate)
         # tensors G's forward reads after those, recomputed instead (again(u, *extra): the op
@@ -380,7 +380,7 @@ class Segment:
         """Whether G's recomputation runs behind the barrier: the table's `hold`, except where
         the roots hold a kept shortcut or the output feeds an Add (a residual sum) or a Mul (an
         SE gate): held there, an identity block's fusion of that sum and its bits changed, and
-        MobileNetV3Small's (a ReLU into an SE gate; 96x96, batch 4), measured on the CPU."""
+        MobileNetV3Small's (a ReLU into an SE gate; docs/activations.md, "Exactness")."""
         return self.hold and not any(op.type in ("AddV2", "Add", "Mul")
                                      for op in self.output.consumers())
 
@@ -813,8 +813,7 @@ def _hold(ts, dys, free=()):
     `free` are returned as they are: the small per-channel roots, which XLA computes for stock
     inside every consumer's fusion (a held copy is computed once, and its bits differed: a
     relu6 block's kernel gradients on the CPU). The rest, the full-size roots and a consumer's
-    kernels, are held (held kernels gave a smaller CPU temp buffer: ResNet50 64x64 batch 4,
-    35.2 against 37.3 MB)."""
+    kernels, are held (held kernels gave a smaller CPU temp buffer: docs/activations.md)."""
     import tensorflow as tf
     if free:
         pick = [i for i in range(len(ts)) if i not in free]

@@ -22,7 +22,7 @@ in-bounds position in row-major order, and a later in-bounds one takes over when
 `!(selected >= current)` (the `Ge` select rule tf2xla gives XLA's SelectAndScatter: the first
 maximum; a NaN takes over and is taken over); dy goes there when relu(z) there is > 0, added per
 input element in output order from +0. That is stock under XLA bit for bit for VALID windows
-(and in the H200 trainings of docs/xla.md); XLA's CPU backend orders SAME-padded windows
+(and in the GPU trainings of docs/xla.md); XLA's CPU backend orders SAME-padded windows
 otherwise, which matters only for tied positive maxima and NaN.
 
 The same form serves relu6 and leaky ReLU in place of the ReLU (MONOTONE below) and 1-D and
@@ -48,9 +48,8 @@ logger = logging.getLogger("tf_relupool")
 
 #: Largest window the XLA form unrolls, in positions of the window clipped to the input
 #: (`window_positions`: a 9x9 SAME window over a 4x4 input scans 7x7); larger ones run stock's
-#: ops inside XLA. 254 is what one-byte codes hold beside NO_GRADIENT and _NEVER; on a 2-core
-#: Xeon a 15x15 stride-1 SAME window (225 positions) over 8x32x32x8 traces in 1.6 s and compiles
-#: in 2.7 s with its gradient (stock: 0.2 s), docs/xla.md.
+#: ops inside XLA. 254 is what one-byte codes hold beside NO_GRADIENT and _NEVER; the scan is
+#: unrolled, so windows near it trace and compile slower than stock's pool (docs/xla.md).
 MAX_WINDOW_POSITIONS = 254
 #: The code of a pooled element that routes no gradient (its selected ReLU'd value is not > 0).
 NO_GRADIENT = 255
@@ -62,7 +61,7 @@ Monotone = collections.namedtuple("Monotone", "op grad condition not_fused")
 _NOT_BITWISE = ("not fused: its gradient multiplies dz by a function of its output, and where "
                 "BatchNormalization's gradient sums that dz, XLA's fusion picks the order of the "
                 "sums: a Conv2D -> BatchNormalization -> {} -> MaxPooling2D step differed from "
-                "stock's in the last bits on the CPU (2026-12-05)")
+                "stock's in the last bits on the CPU (docs/xla.md)")
 
 #: The non-decreasing activations f the XLA form could fuse with a max pool besides ReLU:
 #: max_pool(f(z)) selects where f(z) is the window's first maximum, and dz is f's stock gradient
@@ -252,7 +251,7 @@ def _forward(x, pool_args, dims, data_format, relu):
     as NO_GRADIENT in both. Reading z keeps it with a reader besides the ReLU, as stock's ReluGrad
     does: XLA's GPU compiler fuses a convolution whose only reader is a ReLU into one cuDNN call
     (conv-bias-activation), whose algorithm can give z other bits than stock's plain convolution
-    (an H100, Conv1D -> MaxPooling1D, docs/xla.md). XLA fuses the pool and the scan into loops
+    (Conv1D -> MaxPooling1D on a GPU, docs/xla.md). XLA fuses the pool and the scan into loops
     over z: r is not kept."""
     axes = _geometry.spatial_axes(data_format)
     y = _stock_max_pool(tf.nn.relu(x) if relu else x, *pool_args)
