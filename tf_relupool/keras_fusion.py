@@ -271,7 +271,6 @@ def _fuse(inputs, ksize, strides, padding, fmt, stock_pool, path):
 def _fuse_pool(traced_input, ksize, strides, padding, fmt, stock_pool, path, to_2d):
     """_fuse once the pool's input as traced (`traced_input`) and its pattern's z are made 4-D
     (a 1-D pool) by `to_2d`, which `stock_pool` takes."""
-    import tensorflow as tf
     from tf_relupool import xla
     found = _fusable_input(traced_input)
     if found is None:
@@ -296,7 +295,7 @@ def _fuse_pool(traced_input, ksize, strides, padding, fmt, stock_pool, path, to_
         _record(fused=False, path=path, input_op=inputs.op.name, reason=reason[1])
         return stock_pool(inputs)
     if pad is not None:
-        z = tf.pad(z, pad[0], constant_values=tf.constant(pad[1], z.dtype))
+        z = xla.pad_for_pool(z, pad[0], pad[1])  # dz ends in a select, as stock's
     _stats["fused"] += 1
     _stats["fused_through_pad"] += pad is not None
     _stats["fused_monotone"] += activation is not None

@@ -360,6 +360,28 @@ def _backward(dy, code, dims, data_format, pooled=None):
     return dz if pooled is None else (dz, values)
 
 
+def pad_for_pool(z, paddings, value):
+    """`tf.pad(z, paddings, constant_values=value)`, the padded z of a pool fused through a
+    constant Pad of its ReLU (keras_fusion), whose gradient is the incoming gradient's slice at
+    z's positions passed through `_positive_zeros` (a select; the values of stock's Pad gradient,
+    the slice).
+
+    So dz ends in a select at z's shape, as stock's does (its ReluGrad after the Pad's slice),
+    not in a slice: XLA's CPU backend hands a large sum (BatchNormalization's beta gradient,
+    BiasAddGrad) to YNNPACK, whose order of additions differs from its own loop's, unless the
+    summed tensor is made by a slice (among a few other ops), so a dz ending in a slice was
+    summed in another order than stock's (keras.applications ResNet50's stem, docs/xla.md)."""
+    begin = [int(p[0]) for p in paddings]
+
+    @tf.custom_gradient
+    def pad(z):
+        def grad(g):
+            return _positive_zeros(tf.slice(g, begin, z.shape.as_list()))
+        return tf.pad(z, paddings, constant_values=tf.constant(value, z.dtype)), grad
+
+    return pad(z)
+
+
 @tf.custom_gradient
 def _positive_zeros(x):
     """x with -0 as +0 (SelectAndScatter adds each dy into its +0 init, so stock's dz has no -0;
