@@ -349,3 +349,34 @@ def test_the_report_says_what_its_bytes_count():
     for words in ("stock's graph keeps for the pool's gradient", "one byte per pooled element",
                   "not what XLA allocates"):
         assert words in report_module.BYTES_NOTE
+
+
+def test_reports_of_one_model_on_two_threads_name_the_same_rows():
+    """Each thread's trace maps its own ops (the op callbacks are per thread) and the model's
+    operations are wrapped for one report at a time: both threads read the rows one thread
+    reads, and the operations' `call` is their own afterwards."""
+    import threading
+    keras.utils.set_random_seed(0)
+    inp = keras.Input((8, 8, 3))
+    x = keras.layers.Conv2D(4, 3, padding="same", use_bias=False)(inp)
+    x = keras.ops.nn.relu(keras.layers.BatchNormalization()(x))
+    x = keras.layers.MaxPooling2D()(keras.layers.Conv2D(4, 3, padding="same")(x))
+    model = keras.Model(inp, keras.layers.Dense(2)(keras.layers.Flatten()(x)))
+
+    def rows():
+        report = tf_relupool.fusion_report(model, batch_size=2, activations=True)
+        return [(p["route"], p["where"], p["fused"]) for p in report.pairs] + [
+            (g["where"], g["what"], g["recomputed"]) for g in report.segments]
+    alone = rows()
+    got = [None, None]
+
+    def run(i):
+        got[i] = rows()
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert got == [alone, alone], got
+    (relu,) = [op for op in model.operations if not isinstance(op, keras.layers.Layer)]
+    assert (f"{model.name}/{relu.name}", "relu", True) in alone and "call" not in vars(relu)

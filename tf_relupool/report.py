@@ -155,7 +155,8 @@ def _step(model, paths):
     return step
 
 
-_scoping = threading.Lock()
+#: held by a report while it traces: one report at a time (the switch it sets is the process's)
+_lock = threading.RLock()
 
 
 @contextlib.contextmanager
@@ -163,14 +164,20 @@ def _operations_scoped(model):
     """While the block runs, each operation of the model's graphs that is not a layer (a function
     such as `keras.activations.swish` or `keras.ops.nn.relu` called on the model's symbolic
     tensors) is called inside a Keras name scope of its own name, so that what it builds is named
-    "model/silu" as a layer's ops are, not after the model alone. The operations' `call` is put
-    back as it was when the block ends; reports serialize on these objects."""
+    "model/silu" as a layer's ops are, not after the model alone. The wrapped call computes what
+    the operation's own does; each operation's `call` is put back when the block ends. Blocks are
+    open one at a time (_lock): the operations are objects a model shares with every caller.
+    Where this Keras exports no Operation or name_scope, nothing is wrapped."""
     import keras
-    with _scoping:
+    operation = getattr(keras, "Operation", None)
+    if getattr(keras, "name_scope", None) is None:
+        operation = None
+    with _lock:
         patched = []
         try:
             for op in _objects(model).values():
-                if isinstance(op, keras.layers.Layer) or "call" in vars(op):
+                if (operation is None or not isinstance(op, operation)
+                        or isinstance(op, keras.layers.Layer) or "call" in vars(op)):
                     continue
                 original = op.call
 
@@ -406,6 +413,9 @@ def fusion_report(model, batch_size=32, routes=("xla", "grappler"), keep="argmax
                   activations=False):
     """What `enable_recompute(keep)` fuses in `model`'s training step, pair by pair (module doc).
 
+    Calls on several threads run one at a time: each sets the process's switch while it traces,
+    and puts it back.
+
     Args:
       model: a built Keras model with one input of known shape (batch aside).
       batch_size: the batch the step is traced at (bytes saved scale with it).
@@ -443,9 +453,10 @@ def fusion_report(model, batch_size=32, routes=("xla", "grappler"), keep="argmax
         _loader.load_library()
     except _loader.OpLibraryError as e:
         unavailable["grappler"] = str(e)
-    if "xla" in routes:
-        pairs, rows = _xla_pairs(model, spec, keep, activations)
-        segment_rows = rows if activations else None
-    if "grappler" in routes and "grappler" not in unavailable:
-        pairs += _grappler_pairs(model, spec, keep)
+    with _lock:
+        if "xla" in routes:
+            pairs, rows = _xla_pairs(model, spec, keep, activations)
+            segment_rows = rows if activations else None
+        if "grappler" in routes and "grappler" not in unavailable:
+            pairs += _grappler_pairs(model, spec, keep)
     return FusionReport(pairs, batch_size, routes, segment_rows, unavailable)
