@@ -25,24 +25,29 @@ $(VENV)/.installed: $(VENV)/.deps $(SOURCES)
 install: $(VENV)/.installed
 
 # Tests import the installed package, not the source tree (run from tests/, see tests/conftest.py).
-# Then every module whose results can depend on the CPU runs again as an AVX2-only CPU runs it:
-# oneDNN off (TF_ENABLE_ONEDNN_OPTS=0: stock's plain Eigen kernels, TensorFlow's default on CPUs
-# without AVX-512, where stock has no NCHW Conv2D/MaxPool) and XLA's CPU code capped at AVX2
-# (--xla_cpu_max_isa=AVX2), the op library's CPU kernels on their AVX2 path (TF_RELUPOOL_CPU_ISA),
-# so that neither a result nor a test that holds only on an AVX-512 machine with oneDNN can land. Left out of that pass: modules that read no kernel's or XLA's
-# bits (the loader, versions, the compat names and the hook layer, GPU-only ones) and test_examples.py's minutes-long trainings
-# (test_keras_integration.py, test_bn_relu.py and test_segments.py cover bitwise training there),
-# the no-compiler install (the same Python code as the full package's, whose XLA tests run in
-# that pass) and test_legacy_keras.py (skipped without tf-keras; make test-legacy-keras).
+# Both passes run in parallel (pytest-xdist, one worker per core, idle workers stealing queued
+# tests) and print their 25 slowest tests. `make test` runs what is not marked `slow`;
+# `make test-slow` (CI runs both) the `slow` tests, in the same two passes.
+# The second pass runs every module whose results can depend on the CPU as an AVX2-only CPU runs
+# it: oneDNN off (TF_ENABLE_ONEDNN_OPTS=0: stock's plain Eigen kernels, TensorFlow's default on
+# CPUs without AVX-512, where stock has no NCHW Conv2D/MaxPool), XLA's CPU code capped at AVX2
+# (--xla_cpu_max_isa=AVX2) and the op library's CPU kernels on their AVX2 path
+# (TF_RELUPOOL_CPU_ISA), so that neither a result nor a test that holds only on an AVX-512 machine
+# with oneDNN can land. CPU_INDEPENDENT are the modules left out of it, each because what it
+# asserts reads no kernel's, oneDNN's or XLA's bits (docs/install.md has the table).
 CPU_INDEPENDENT ?= tests/test_loader.py tests/test_versions.py tests/test_gpu.py \
 	tests/test_gpu_build.py tests/test_examples.py tests/test_compat.py tests/test_hooks.py \
-	tests/test_no_compiler.py tests/test_legacy_keras.py tests/test_results_index.py
+	tests/test_no_compiler.py tests/test_legacy_keras.py tests/test_results_index.py \
+	tests/test_measure.py tests/test_largest_batch.py tests/test_harness.py tests/test_config.py \
+	tests/test_autotune_cache.py tests/test_random_state.py tests/test_distribute.py
 STOCK_TESTS ?= $(filter-out $(CPU_INDEPENDENT),$(sort $(wildcard tests/test_*.py)))
 AVX2_ENV := TF_ENABLE_ONEDNN_OPTS=0 XLA_FLAGS="$$XLA_FLAGS --xla_cpu_max_isa=AVX2" TF_RELUPOOL_CPU_ISA=avx2
+PYTEST_JOBS ?= auto
+PYTEST := $(VENV)/bin/pytest -q -n $(PYTEST_JOBS) --dist worksteal --durations=25
 
 test: install
-	$(VENV)/bin/pytest -q tests
-	$(AVX2_ENV) $(VENV)/bin/pytest -q $(STOCK_TESTS)
+	$(PYTEST) tests
+	$(AVX2_ENV) $(PYTEST) $(STOCK_TESTS)
 
 # Builds the package against other TensorFlow releases (one venv each under build/compat) and runs
 # the smoke subset with each: scripts/test_compat.sh; docs/install.md has the table.
@@ -63,8 +68,11 @@ test-wheel: wheel
 test-legacy-keras: wheel
 	scripts/wheel.sh legacy-keras
 
+# The slow tests; test_huge.py (12 GB a case) alone and serially, in the first mode only.
 test-slow: install
-	$(VENV)/bin/pytest -q -m slow tests
+	$(PYTEST) -m slow --ignore=tests/test_huge.py tests
+	$(AVX2_ENV) $(PYTEST) -m slow $(filter-out tests/test_huge.py,$(STOCK_TESTS))
+	$(VENV)/bin/pytest -q -m slow --durations=25 tests/test_huge.py
 
 bench: install
 	$(PY) benchmarks/bench_ops.py

@@ -125,9 +125,10 @@ def test_xla_routes_work_and_library_routes_raise(pure):
         assert "installed without it" in out[route] and "pip install" in out[route], out[route]
 
 
+@pytest.mark.slow
 def test_xla_tests_pass_from_the_pure_package(pure):
-    """The XLA tests (the pool fusion's XLA form, the activation recomputation) run against the
-    pure package, but for the comparisons with the op library's kernels and the keras.applications
+    """(`make test-slow`: it reruns two modules.) The XLA tests (the pool fusion's XLA form, the
+    activation recomputation) run against the pure package, but for the comparisons with the op library's kernels and the keras.applications
     trainings (test_segments.py runs those with the full package), with 5 examples per property
     test and without the cases that repeat a route the others cover (the two largest clipped
     windows; the Keras CNN under mixed_bfloat16, whose float32 run stays), which the full package
