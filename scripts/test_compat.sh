@@ -3,10 +3,10 @@
 # Usage: scripts/test_compat.sh [X.Y.Z[:KERAS] ...]   (default: 2.20.0, the oldest release declared)
 # For each release: a venv $COMPAT_DIR/venv-X.Y with tensorflow==X.Y.Z, a Keras 3 that works with
 # it (the newest; `2.21.0:3.10.0` pins Keras 3.10.0 instead, in venv-2.21-keras3.10.0), numpy,
-# pytest and hypothesis; a copy of this working tree (without .venv/.git/.tfgpu/build)
+# pytest, pytest-xdist and hypothesis; a copy of this working tree (without .venv/.git/.tfgpu/build)
 # in $COMPAT_DIR/src-X.Y; a CPU-only build (TF_RELUPOOL_CUDA=0) installed into the venv; then
 # the smoke subset below (ops, layers, the Grappler passes, patterns, XLA, loader, bn_relu) from
-# the copy's tests/ with 30 hypothesis examples.
+# the copy's tests/ with 30 hypothesis examples, one pytest worker per core.
 # Prints one summary line per release (logs: $COMPAT_DIR/X.Y-{install,build,test}.log) and exits
 # nonzero if any release fails. COMPAT_DIR defaults to build/compat under the repository root.
 set -euo pipefail
@@ -37,7 +37,7 @@ run_one() {  # $1 = X.Y.Z[:KERAS]; prints the result, returns nonzero on failure
   case $1 in *:*) mm=$mm-keras${1#*:} ;; esac
   local venv=$COMPAT_DIR/venv-$mm src=$COMPAT_DIR/src-$mm log=$COMPAT_DIR/$mm
   [ -x "$venv/bin/pip" ] || "$PYTHON" -m venv "$venv" || { echo "venv failed"; return 1; }
-  "$venv/bin/pip" install -q "tensorflow==$tf" "$(keras_for "$1")" numpy pytest hypothesis \
+  "$venv/bin/pip" install -q "tensorflow==$tf" "$(keras_for "$1")" numpy pytest pytest-xdist hypothesis \
     > "$log-install.log" 2>&1 || { echo "pip install failed ($log-install.log)"; return 1; }
   copy_tree "$src" || { echo "copying the tree failed"; return 1; }
   (cd "$src" && TF_RELUPOOL_CUDA=0 "$venv/bin/pip" install --no-build-isolation --no-deps \
@@ -45,7 +45,7 @@ run_one() {  # $1 = X.Y.Z[:KERAS]; prints the result, returns nonzero on failure
   local keras rc=0
   keras=$("$venv/bin/python" -c "import keras; print(keras.__version__)" 2> /dev/null | tail -1)
   (cd "$src/tests" && TF_RELUPOOL_EXAMPLES=30 TF_CPP_MIN_LOG_LEVEL=2 timeout 1500 \
-    "$venv/bin/pytest" -q -x -p no:cacheprovider "${SMOKE[@]}") > "$log-test.log" 2>&1 || rc=$?
+    "$venv/bin/pytest" -q -x -p no:cacheprovider -n auto --durations=10 "${SMOKE[@]}") > "$log-test.log" 2>&1 || rc=$?
   echo "build ok, keras $keras, $(tail -1 "$log-test.log" | sed -E 's/^=+ | =+$//g')$([ $rc = 124 ] \
     && echo ' (timed out)')"
   return $rc

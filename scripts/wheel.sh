@@ -11,7 +11,7 @@
 # TensorFlow's own library out as TensorFlow Addons did (TensorFlow loads it before the op
 # library; it is not ours to ship). The tag is the build machine's glibc's: a wheel for older
 # systems needs an older build image.
-# test: a fresh venv (build/wheel-venv) with TensorFlow, Keras, NumPy, pytest and hypothesis only;
+# test: a fresh venv (build/wheel-venv) with TensorFlow, Keras, NumPy, pytest, pytest-xdist and hypothesis only;
 # the wheel installed and its smoke subset run from tests/ with no C++ compiler reachable (PATH
 # holds the venv alone, CXX names no file).
 # legacy-keras: a venv (build/legacy-keras) with tf-keras beside TensorFlow; the wheel installed;
@@ -61,13 +61,13 @@ case ${1:-build} in
   test)
     w=$(the_wheel)
     venv=$ROOT/build/wheel-venv
-    fresh_venv "$venv" "$(tf_pin "$w")" "keras>=3.10" numpy pytest hypothesis
+    fresh_venv "$venv" "$(tf_pin "$w")" "keras>=3.10" numpy pytest pytest-xdist hypothesis
     # No compiler from here on: PATH is the venv's alone, CXX names nothing.
     env -i HOME="$HOME" PATH="$venv/bin" CXX=/nonexistent/g++ CC=/nonexistent/gcc \
       "$venv/bin/pip" install -q --no-deps "$w"
     (cd "$ROOT/tests" && env -i HOME="$HOME" PATH="$venv/bin" CXX=/nonexistent/g++ \
       TF_CPP_MIN_LOG_LEVEL=2 TF_RELUPOOL_EXAMPLES=${EXAMPLES:-10} \
-      "$venv/bin/python" -m pytest -q -p no:cacheprovider $SMOKE) ;;
+      "$venv/bin/python" -m pytest -q -p no:cacheprovider -n auto --durations=10 $SMOKE) ;;
   legacy-keras)
     w=$(the_wheel)
     venv=$ROOT/build/legacy-keras

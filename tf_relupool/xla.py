@@ -376,7 +376,7 @@ def pad_for_pool(z, paddings, value):
     @tf.custom_gradient
     def pad(z):
         def grad(g):
-            return _positive_zeros(tf.slice(g, begin, z.shape.as_list()))
+            return _positive_zeros(tf.slice(g, begin, tf.shape(z)))  # z's batch may be unknown
         return tf.pad(z, paddings, constant_values=tf.constant(value, z.dtype)), grad
 
     return pad(z)
