@@ -88,6 +88,11 @@ LEVERS = {
     # not autotune.
     "atcache": {"XLA_FLAGS": "--xla_gpu_experimental_autotuner_cache_dir=/tmp/tfrp_autotune "
                              "--xla_gpu_per_fusion_autotune_cache_dir=/tmp/tfrp_autotune"},
+    # The switch's cache one flag at a time (XLA_FLAGS naming one, enable_recompute() adds
+    # neither), or neither (its off switch): which flag costs step time.
+    "atfusion": {"XLA_FLAGS": "--xla_gpu_per_fusion_autotune_cache_dir=/tmp/tfrp_at_fusion"},
+    "atautotuner": {"XLA_FLAGS": "--xla_gpu_experimental_autotuner_cache_dir=/tmp/tfrp_at_tuner"},
+    "atoff": {"TF_RELUPOOL_AUTOTUNE_CACHE": "0"},
     "async": {"TF_GPU_ALLOCATOR": "cuda_malloc_async"},
     # A physically smaller GPU (occupy_gpu): 4400 / 2300 MiB free, so that BFC's pool is about
     # 4 / 2 GiB after TensorFlow's reserve; trials with it must run alone on the GPU.
