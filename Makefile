@@ -34,7 +34,8 @@ install: $(VENV)/.installed
 # (--xla_cpu_max_isa=AVX2) and the op library's CPU kernels on their AVX2 path
 # (TF_RELUPOOL_CPU_ISA), so that neither a result nor a test that holds only on an AVX-512 machine
 # with oneDNN can land. CPU_INDEPENDENT are the modules left out of it, each because what it
-# asserts reads no kernel's, oneDNN's or XLA's bits (docs/install.md has the table).
+# asserts reads no kernel's, oneDNN's or XLA's bits (docs/install.md has the table), and tests
+# marked first_pass_only are cases whose CPU-dependent bits a sibling case checks there.
 CPU_INDEPENDENT ?= tests/test_loader.py tests/test_versions.py tests/test_gpu.py \
 	tests/test_gpu_build.py tests/test_examples.py tests/test_compat.py tests/test_hooks.py \
 	tests/test_no_compiler.py tests/test_legacy_keras.py tests/test_results_index.py \
@@ -47,7 +48,7 @@ PYTEST := $(VENV)/bin/pytest -q -n $(PYTEST_JOBS) --dist worksteal --durations=2
 
 test: install
 	$(PYTEST) tests
-	$(AVX2_ENV) $(PYTEST) $(STOCK_TESTS)
+	$(AVX2_ENV) $(PYTEST) -m "not slow and not first_pass_only" $(STOCK_TESTS)
 
 # Builds the package against other TensorFlow releases (one venv each under build/compat) and runs
 # the smoke subset with each: scripts/test_compat.sh; docs/install.md has the table.
@@ -71,7 +72,7 @@ test-legacy-keras: wheel
 # The slow tests; test_huge.py (12 GB a case) alone and serially, in the first mode only.
 test-slow: install
 	$(PYTEST) -m slow --ignore=tests/test_huge.py tests
-	$(AVX2_ENV) $(PYTEST) -m slow $(filter-out tests/test_huge.py,$(STOCK_TESTS))
+	$(AVX2_ENV) $(PYTEST) -m "slow and not first_pass_only" $(filter-out tests/test_huge.py,$(STOCK_TESTS))
 	$(VENV)/bin/pytest -q -m slow --durations=25 tests/test_huge.py
 
 bench: install

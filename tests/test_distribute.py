@@ -109,7 +109,7 @@ def test_worker_ports_lie_outside_the_ephemeral_range():
     assert all(dist._bindable(p) for p in ports), ports
 
 
-@pytest.mark.parametrize("keep", ["argmax", "input"])
+@pytest.mark.parametrize("keep", ["argmax", pytest.param("input", marks=pytest.mark.slow)])
 def test_multi_worker_two_processes_bitwise_and_fused(tmp_path, keep):
     dist = _script()
     out = tmp_path / "worker-{task}.json"
@@ -142,7 +142,7 @@ def test_multi_worker_two_processes_bitwise_and_fused(tmp_path, keep):
                 results[1]["variants"][name]["weights_sha256"])
 
 
-@pytest.mark.parametrize("replicas", [2, 3])
+@pytest.mark.parametrize("replicas", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_mirrored_fit_logical_cpus_bitwise_and_fused(tmp_path, replicas):
     # Logical CPUs share one allocator: one peak for all replicas (measured, not compared: see
     # _check_variants).

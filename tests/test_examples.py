@@ -168,6 +168,7 @@ def test_synthetic_training(tmp_path, model, batch, modes, pairs):
     assert "per-step training losses bitwise equal across modes: yes" in p.stdout
 
 
+@pytest.mark.slow  # `make demo` runs the same report
 @pytest.mark.skipif(not NO_GPU, reason="checks the CPU report that --device auto picks without a GPU")
 def test_memory_report_quick(tmp_path):
     """The report's worker measures peaks and the driver writes the table and the plot."""

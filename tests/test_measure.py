@@ -61,6 +61,7 @@ def _floor_mib(model, tmp_path):
     return -(-json.loads(out.read_text())["variants"]["stock"]["steady_peak_bytes"] // MIB)
 
 
+@pytest.mark.slow
 def test_table_json_and_plot_for_a_small_model(small_model, tmp_path):
     """One run of the command as a user types it: a progress line per trial, the table with
     stock and the switch (lower peaks, pairs fused by the Grappler pass: no XLA on the CPU), the
