@@ -69,10 +69,11 @@ test-wheel: wheel
 test-legacy-keras: wheel
 	scripts/wheel.sh legacy-keras
 
-# The slow tests; test_huge.py (12 GB a case) alone and serially, in the first mode only.
+# The slow tests, and in the second mode also make test's first_pass_only cases (so that CI runs
+# every test in both modes); test_huge.py (12 GB a case) alone and serially, in the first only.
 test-slow: install
 	$(PYTEST) -m slow --ignore=tests/test_huge.py tests
-	$(AVX2_ENV) $(PYTEST) -m "slow and not first_pass_only" $(filter-out tests/test_huge.py,$(STOCK_TESTS))
+	$(AVX2_ENV) $(PYTEST) -m "slow or first_pass_only" $(filter-out tests/test_huge.py,$(STOCK_TESTS))
 	$(VENV)/bin/pytest -q -m slow --durations=25 tests/test_huge.py
 
 bench: install
