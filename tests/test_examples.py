@@ -354,6 +354,7 @@ def test_gpu_report_end_to_end_on_cpu(tmp_path):
 BREAKDOWN = os.path.join(ROOT, "benchmarks", "memory_breakdown.py")
 
 
+@pytest.mark.slow
 def test_memory_breakdown_lists_what_is_live_at_the_peak(tmp_path):
     """memory_breakdown.py: stock's peak holds conv1's ReLU output (kept for MaxPoolGrad), the
     fused model's holds 1-byte codes and no ReLU output, and is lower; the raw profiles are kept

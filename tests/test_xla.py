@@ -336,11 +336,11 @@ def test_unknown_spatial_dims_fall_back_to_stock(caplog):
 
 @pytest.mark.parametrize("shape,k,s,padding,positions", [
     ((2, 4, 4, 3), 9, 1, "SAME", 49),      # a 9x9 window over 4x4: 7x7 positions can hold input
-    # the two largest (minutes of XLA compile on 2 cores) in the first pass only: the same
+    # the two largest (the longest XLA compiles of the module) in `make test-slow`: the same
     # clipped route as the three others
-    pytest.param((1, 10, 10, 2), 15, 1, "SAME", 225, marks=pytest.mark.first_pass_only),
+    pytest.param((1, 10, 10, 2), 15, 1, "SAME", 225, marks=pytest.mark.slow),
     pytest.param((1, 8, 9, 2), (20, 16), 1, "SAME", 15 * 16,  # a 320-position window
-                 marks=pytest.mark.first_pass_only),
+                 marks=pytest.mark.slow),
     ((2, 12, 12, 2), 12, 12, "VALID", 144),
     ((2, 9, 9, 2), 9, 3, "SAME", 81),
 ])
