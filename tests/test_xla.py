@@ -987,4 +987,6 @@ def test_resnet50_stem_trains_bitwise_under_xla(tmp_path):
     # (TensorFlow 2.20's XLA orders the stem's sums otherwise: docs/xla.md; activations=True
     # gives the switch's bits there)
     assert result["product"] == result["switch"]
-    assert temps["switch"] <= 0.5 * temps["stock"], temps
+    # (2.20's XLA keeps more around the pool: 0.83x of stock's buffer there, 0.39x on 2.21)
+    share = 0.5 if _versions.minor(tf.__version__) >= (2, 21) else 0.9
+    assert temps["switch"] <= share * temps["stock"], temps
