@@ -300,11 +300,17 @@ class _Rewriter:
             weights = old.get_weights()
             if weights:
                 new.set_weights(weights)
-            olds, news = old.variables, new.variables
+            olds, news = _state_beside_weights(old), _state_beside_weights(new)
             if len(olds) == len(news):
                 for o, n in zip(olds, news):
                     if o.shape == n.shape and o.dtype == n.dtype:
                         n.assign(o)
+
+
+def _state_beside_weights(layer):
+    """The layer's variables that are not weights (seed generators' states, metrics')."""
+    weights = {id(w) for w in layer.weights}
+    return [v for v in layer.variables if id(v) not in weights]
 
 
 def rewrite_model(model, keep=None):
