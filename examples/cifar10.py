@@ -56,14 +56,15 @@ class OneLineParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
-def _positive_int(name):
+def _positive_int(name, minimum=1):
     def parse(text):
+        kind = "a positive" if minimum == 1 else "a non-negative"
         try:
             value = int(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-        if value <= 0:
-            raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
+            raise argparse.ArgumentTypeError(f"expected {kind} integer, got {text!r}")
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {value}")
         return value
     parse.__name__ = name
     return parse
@@ -114,6 +115,10 @@ def parse_args(argv=None):
                    help="use only this many training images")
     p.add_argument("--test-limit", type=_positive_int("image count"), default=None,
                    help="use only this many test images")
+    p.add_argument("--prefetch", type=_positive_int("batch count", minimum=0), default=2,
+                   help="batches the input pipeline makes ahead on its own threads (default 2); "
+                        "0 makes each batch inside the step that reads it, so that no input "
+                        "allocation runs beside the step and the CPU's peak repeats")
     p.add_argument("--learning-rate", type=float, default=1e-3, help="Adam's (default 1e-3)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--record-ops", action="store_true",
@@ -212,7 +217,7 @@ def _step_stats_callback(tf, dev, fusions=None):
                      "step_time_s": statistics.median(times),
                      "peak_bytes": max(self.peaks) if self.peaks else None,
                      "median_peak_bytes": statistics.median(self.peaks) if self.peaks else None,
-                     "step_losses": self.losses}
+                     "step_losses": self.losses, "step_peak_bytes": self.peaks}
             self.epochs.append(stats)
             peak = (f"peak step memory on {dev.name} {stats['peak_bytes'] / MIB:.1f} MiB "
                     f"(median {stats['median_peak_bytes'] / MIB:.1f})" if self.peaks
@@ -233,7 +238,8 @@ def train_one(args, mode, tf, dev):
 
     keras.utils.set_random_seed(args.seed)  # same initial weights and batches for every mode
     train, test, description, num_classes = data_lib.load(args.data, args.batch_size, args.limit,
-                                             args.test_limit, args.seed)
+                                             args.test_limit, args.seed,
+                                             prefetch=args.prefetch)
     if args.steps_per_epoch:  # epochs of a fixed number of steps: never run out of data
         train = train.repeat()
     model = models.build(args.model, num_classes=num_classes)

@@ -129,14 +129,20 @@ def synthetic(n, seed):
     return images, labels
 
 
-def _from_arrays(tf, images, labels, batch_size, shuffle, seed):
+def _prefetched(ds, prefetch):
+    """`ds` with `prefetch` batches made ahead on tf.data's threads; 0: none, every batch is made
+    inside the step that reads it (no input-pipeline allocations beside the step's own)."""
+    return ds.prefetch(prefetch) if prefetch else ds
+
+
+def _from_arrays(tf, images, labels, batch_size, shuffle, seed, prefetch):
     ds = tf.data.Dataset.from_tensor_slices((images, labels))
     if shuffle:
         ds = ds.shuffle(len(labels), seed=seed, reshuffle_each_iteration=True)
-    return ds.batch(batch_size).prefetch(2)
+    return _prefetched(ds.batch(batch_size), prefetch)
 
 
-def _from_folder(tf, path, subset_classes, batch_size, shuffle, seed, limit):
+def _from_folder(tf, path, subset_classes, batch_size, shuffle, seed, limit, prefetch):
     import keras
     ds = keras.utils.image_dataset_from_directory(
         path, labels="inferred", label_mode="int", class_names=subset_classes,
@@ -149,18 +155,20 @@ def _from_folder(tf, path, subset_classes, batch_size, shuffle, seed, limit):
     if shuffle:
         ds = ds.shuffle(10000, seed=seed, reshuffle_each_iteration=True)
     ds = ds.batch(batch_size).map(lambda x, y: (tf.cast(x, tf.float32) / 255.0, y))
-    return ds.prefetch(2)
+    return _prefetched(ds, prefetch)
 
 
-def load(source, batch_size, limit=None, test_limit=None, seed=0, synthetic_size=(2048, 512)):
-    """(train, test, description, number of classes) for a checked --data value."""
+def load(source, batch_size, limit=None, test_limit=None, seed=0, synthetic_size=(2048, 512),
+         prefetch=2):
+    """(train, test, description, number of classes) for a checked --data value; `prefetch`
+    batches are made ahead of the step that reads them (0: none)."""
     import tensorflow as tf
     if source == "synthetic":
         n_train = limit or synthetic_size[0]
         n_test = test_limit or synthetic_size[1]
         x, y = synthetic(n_train + n_test, seed)
-        return (_from_arrays(tf, x[:n_train], y[:n_train], batch_size, True, seed),
-                _from_arrays(tf, x[n_train:], y[n_train:], batch_size, False, seed),
+        return (_from_arrays(tf, x[:n_train], y[:n_train], batch_size, True, seed, prefetch),
+                _from_arrays(tf, x[n_train:], y[n_train:], batch_size, False, seed, prefetch),
                 f"synthetic CIFAR-shaped data ({n_train} train, {n_test} test images)", NUM_CLASSES)
     if source == "keras":
         import keras
@@ -172,15 +180,15 @@ def load(source, batch_size, limit=None, test_limit=None, seed=0, synthetic_size
         x, y = x[:limit] if limit else x, y[:limit, 0] if limit else y[:, 0]
         xt, yt = xt[:test_limit] if test_limit else xt, yt[:test_limit, 0] if test_limit else yt[:, 0]
         to_float = lambda a: a.astype("float32") / 255.0  # noqa: E731
-        return (_from_arrays(tf, to_float(x), y.astype("int32"), batch_size, True, seed),
-                _from_arrays(tf, to_float(xt), yt.astype("int32"), batch_size, False, seed),
+        return (_from_arrays(tf, to_float(x), y.astype("int32"), batch_size, True, seed, prefetch),
+                _from_arrays(tf, to_float(xt), yt.astype("int32"), batch_size, False, seed, prefetch),
                 f"keras.datasets.cifar10 ({len(y)} train, {len(yt)} test images)", NUM_CLASSES)
     root = extract_archive(source) if is_archive(source) else source
     layout, classes = check_folder(root)
     if layout == "split":
         train_dir, test_dir = os.path.join(root, "train"), os.path.join(root, "test")
-        train = _from_folder(tf, train_dir, classes, batch_size, True, seed, limit)
-        test = _from_folder(tf, test_dir, classes, batch_size, False, seed, test_limit)
+        train = _from_folder(tf, train_dir, classes, batch_size, True, seed, limit, prefetch)
+        test = _from_folder(tf, test_dir, classes, batch_size, False, seed, test_limit, prefetch)
         return train, test, f"image folders {source} (train/ and test/, {len(classes)} " \
                             f"classes{f', {limit} train images' if limit else ''})", len(classes)
     # One folder per class: every tenth image (in file order) is the test set.
@@ -196,7 +204,7 @@ def load(source, batch_size, limit=None, test_limit=None, seed=0, synthetic_size
              if limit else train).cache().shuffle(10000, seed=seed)
     test = (test.take(test_limit) if test_limit else test).cache()
     to_float = lambda x, y: (tf.cast(x, tf.float32) / 255.0, y)  # noqa: E731
-    return (train.batch(batch_size).map(to_float).prefetch(2),
-            test.batch(batch_size).map(to_float).prefetch(2),
+    return (_prefetched(train.batch(batch_size).map(to_float), prefetch),
+            _prefetched(test.batch(batch_size).map(to_float), prefetch),
             f"image folders {source} ({len(classes)} classes, every tenth image held out)",
             len(classes))

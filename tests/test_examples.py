@@ -70,6 +70,8 @@ def _bad_inputs(tmp_path):
         (["--layout-optimizer", "maybe"], "--layout-optimizer"),
         (["--remapper", "1"], "--remapper"),
         (["--memory-limit", "0"], "--memory-limit"),
+        (["--prefetch", "-1"], "--prefetch"),
+        (["--prefetch", "two"], "--prefetch"),
     ]
 
 
@@ -124,7 +126,7 @@ def test_synthetic_training(tmp_path, model, batch, modes, pairs):
     p = run(CIFAR, "--model", model, "--recompute", modes, "--epochs", "2",
             "--steps-per-epoch", "6", "--batch-size", str(batch), "--limit", "384",
             "--test-limit", "64", "--deterministic", "--verbose", "0", "--json", str(out),
-            *remapper)
+            "--prefetch", "0", *remapper)
     assert p.returncode == 0, p.stderr[-4000:]
     # The output names the device whose allocator was measured.
     device = _expected_device()
@@ -150,21 +152,28 @@ def test_synthetic_training(tmp_path, model, batch, modes, pairs):
         for e_stock, e_fused in zip(stock["epochs"], fused["epochs"]):
             assert e_fused["step_losses"] == e_stock["step_losses"], fused["mode"]
         assert fused["test_accuracy"] == stock["test_accuracy"]
-    # keep="argmax" keeps 1-byte codes instead of a float tensor per pool: a lower median peak
-    # (0.4-0.85x at these sizes, oneDNN on or off). ResNet-style has one pool, in the stem, so it
-    # runs at batch 64: at 32, without oneDNN (TF_ENABLE_ONEDNN_OPTS=0, CPUs without AVX-512),
-    # stock's Eigen kernels' scratch buffers decide its peak and the fused step's differently
-    # scheduled one came out 1.0-1.23x of stock's (measured); at 64 it is 0.7-0.8x either way
-    # (2026-12-03, 2-core Xeon: 0.71-0.79x oneDNN on, 0.74-0.80x off, 3 runs each): bound 0.9.
-    stock_peak = stock["epochs"][-1]["median_peak_bytes"]
-    argmax_peak = argmax["epochs"][-1]["median_peak_bytes"]
-    # On a GPU the VGG-style net's peak sits in its first block's convolution backward, where
-    # stock and fused keep the same tensors (../shared/NOTES.md): measured 0.915x on the H200 at
-    # batch 32, so there only "below stock" is asserted.
-    # The VGG-style model at batch 32 under the switch alone (the Grappler pass): 0.905x once,
-    # below 0.9x in other runs (2026-12-03, 2-core Xeon, oneDNN on): bound 0.97 there.
-    bound = 1.0 if model == "vgg" and device == "GPU:0" else 0.97 if model == "vgg" else 0.9
-    assert argmax_peak < bound * stock_peak, (argmax_peak, stock_peak)
+    # keep="argmax" keeps 1-byte codes instead of a float tensor per pool: a lower step peak.
+    # The CPU's step peaks vary from step to step and run to run (the BFC allocator counts whole
+    # chunks, and which chunk a tensor gets depends on what the steps before freed; one intra-op
+    # thread, one inter-op thread and --prefetch 0 leave it so). Each such effect adds bytes, so
+    # the least peak of the steps after the first (which traces) is the step's own need. Measured
+    # 2026-12-07 (2-core EPYC, three runs at a time, benchmarks/results/ci_record_2026-12-07.md):
+    # the simple net 0.45-0.51x of stock's, oneDNN on or off; the VGG-style net at batch 32
+    # 0.59-0.95x and ResNet-style at 64 0.67-0.98x: their savings are within the CPU's noise
+    # there, so on the CPU only the simple net's peak is asserted (bound 0.9). XLA's temp buffer,
+    # which does not vary, carries the memory claims for those shapes (test_bn_relu, test_xla).
+    def least_peak(result):
+        peaks = [p for e in result["epochs"] for p in e["step_peak_bytes"]]
+        return min(peaks[1:])
+    stock_peak, argmax_peak = least_peak(stock), least_peak(argmax)
+    if device == "GPU:0":
+        # The GPU's peak repeats (one stream). The VGG-style net's sits in its first block's
+        # convolution backward, where stock and fused keep the same tensors (../shared/NOTES.md):
+        # measured 0.915x on the H200 at batch 32, so there only "below stock" is asserted.
+        bound = 1.0 if model == "vgg" else 0.9
+        assert argmax_peak < bound * stock_peak, (argmax_peak, stock_peak)
+    elif model == "simple":
+        assert argmax_peak < 0.9 * stock_peak, (argmax_peak, stock_peak)
     assert "per-step training losses bitwise equal across modes: yes" in p.stdout
 
 
