@@ -183,6 +183,7 @@ def test_example_resnet_bitwise_and_stem_stays_with_the_pool_fusion():
     assert delta == dict(segments=7, convs=7, recomputed=6, stock=0, fused=1)
 
 
+@pytest.mark.slow  # ResNet50's stem under XLA stays in make test: test_xla's stem test
 def test_resnet50_bitwise_with_stock():
     """keras.applications.ResNet50 (weights=None) at 32x32, batch 2: 49 BN + ReLU segments, 48
     recomputing (the stem's ReLU stays with the pool fusion, through its ZeroPadding2D), 50

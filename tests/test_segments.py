@@ -238,11 +238,12 @@ def test_identity_producer_skips_per_channel_tensors():
 # ---- the saving on keras.applications models: XLA's temp buffer, one process per variant ----
 
 # MobileNetV2 and EfficientNetB0 take minutes each (`make test-slow`); MobileNetV3Small, which
-# has a ReLU, SE gates, hard swish and a segment on stock's route, runs in `make test`.
+# has a ReLU, SE gates, hard swish and a segment on stock's route, runs in `make test`'s first
+# pass (the AVX2 pass: each activation row's first form above; test-slow's AVX2 pass runs it).
 @pytest.mark.parametrize("name,size", [
     pytest.param("MobileNetV2", 64, marks=pytest.mark.slow),
     pytest.param("EfficientNetB0", 64, marks=pytest.mark.slow),
-    ("MobileNetV3Small", 96)])
+    pytest.param("MobileNetV3Small", 96, marks=pytest.mark.first_pass_only)])
 def test_application_trains_bitwise_with_a_smaller_temp_buffer(name, size, tmp_path):
     """keras.applications' MobileNetV2 (ReLU(6.), zero pads), EfficientNetB0 (swish, SE gates,
     dropout) and MobileNetV3Small (ReLU into SE gates, hard swish) under jit_compile=True on the
