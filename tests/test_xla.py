@@ -1004,3 +1004,32 @@ def test_resnet50_stem_trains_bitwise_under_xla(tmp_path):
     # (2.20's XLA keeps more around the pool: 0.83x of stock's buffer there, 0.39x on 2.21)
     share = 0.5 if _versions.minor(tf.__version__) >= (2, 21) else 0.9
     assert temps["switch"] <= share * temps["stock"], temps
+
+
+def _xla_cpu_code_is_avx2():
+    """Whether XLA's CPU code here stops at AVX2: capped by XLA_FLAGS (make test's second pass)
+    or a CPU without AVX-512."""
+    if "--xla_cpu_max_isa=AVX2" in os.environ.get("XLA_FLAGS", ""):
+        return True
+    try:
+        with open("/proc/cpuinfo") as f:
+            return "avx512f" not in f.read()
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(GPU_VISIBLE or not _xla_cpu_code_is_avx2(),
+                    reason="XLA's AVX-512 CPU code orders these sums by the fused loop's body "
+                           "(docs/xla.md); make test's second pass runs it at AVX2")
+@pytest.mark.parametrize("pad,bias,bn", [(False, False, True), (False, True, False),
+                                         (True, True, True)])
+def test_conv_bn_relu_pool_gradients_are_stocks_at_avx2(pad, bias, bn):
+    """docs/xla.md: with XLA's CPU code at AVX2 a small Conv2D -> [BatchNormalization] -> ReLU ->
+    [pad] -> 3x3/2 max pool's gradients, the conv bias's and BN's included, are stock's bit for
+    bit under the switch (at AVX-512 up to 74 of the kernel's 108 differ:
+    tests/conv_bn_pool_bits.py, benchmarks/results/resnet50_stem_xla_2026-12-07.md)."""
+    import conv_bn_pool_bits as bits
+    before = keras_fusion.stats()["fused"]
+    counts = bits.gradients(tf, keras, tf_relupool, 8, pad, bias, bn)
+    assert keras_fusion.stats()["fused"] == before + 1
+    assert counts == [0] * len(counts), counts
