@@ -314,7 +314,12 @@ def test_activations_flag_recomputes_under_xla(tmp_path):
          "2", "--jit-compile", "true", "--activations", "--json", str(out_json), "--quiet"],
         capture_output=True, text=True, env=_env(), timeout=600, cwd=str(tmp_path))
     assert proc.returncode == 0, proc.stderr[-3000:]
-    switch = json.loads(out_json.read_text())["variants"]["switch"]
+    variants = json.loads(out_json.read_text())["variants"]
+    switch = variants["switch"]
     assert switch["segments"]["recomputed"] >= 1, switch
+    # XLA's temp buffer, from each trial's buffer assignment: smaller with the recomputation
+    # (the allocator's CPU peak counts whole power-of-two regions and need not show it)
+    assert 0 < switch["xla_temp_bytes"] < variants["stock"]["xla_temp_bytes"], variants
+    assert "XLA temp buffer MiB" in proc.stdout
     assert switch["segments"]["by_activation"].get("relu6") == switch["segments"]["segments"]
     assert "enable_recompute(activations=True)" in proc.stdout

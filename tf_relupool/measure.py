@@ -22,7 +22,10 @@ first step's (it traces, compiles and, on a GPU, autotunes), the steady step tim
 largest batch that trains --trial-steps steps under --memory-limit (--largest-batch: a multiple of
 --granularity, found by bracketing and bisection, one process per batch tried) and the ReLU +
 max-pool pairs the switch fused (under XLA: counted where Keras traces the model; without XLA:
-the Grappler pass's fusions). A switch trial that does not train under the limit runs once more,
+the Grappler pass's fusions). Under XLA also XLA's temp buffer of the step, read from its buffer
+assignment (each trial dumps the step's modules into a temporary folder): on the CPU the
+allocator's peak counts the whole power-of-two region it gives that buffer, so only this figure
+follows the batch and shows what the switch saves there. A switch trial that does not train under the limit runs once more,
 as a user's second run would: the first one left XLA's autotuning results in the switch's
 autotune cache (docs/memory.md, "The largest batch at Keras' default compile").
 """
@@ -31,7 +34,9 @@ import datetime
 import difflib
 import json
 import os
+import shutil
 import sys
+import tempfile
 import time
 
 from tf_relupool import _harness as h
@@ -79,6 +84,22 @@ def _reshape(keras, model, shape):
 def _stage(result, stage):
     result["stage"] = stage
     h.print_result(result)  # a process that dies later still says how far it got
+
+
+#: The XLA modules of Keras' training step (its `one_step_on_data` tf.function).
+TRAIN_STEP_MODULES = ".*one_step_on_data.*"
+
+
+def _xla_temp_bytes(dump):
+    """XLA's preallocated temp buffer of the training step (its largest over the step's
+    compiled modules), read from the buffer assignments under `dump`, or None (no XLA, or no
+    dump)."""
+    if not dump or not os.path.isdir(dump):
+        return None
+    sizes = [size for name in os.listdir(dump) if name.endswith("buffer-assignment.txt")
+             for _, size, kind in h.xla_allocations(os.path.join(dump, name))
+             if "preallocated-temp" in kind]
+    return max(sizes) if sizes else None
 
 
 def worker(spec):
@@ -152,6 +173,9 @@ def worker(spec):
         result.update(status=h.classify_error(type(error).__name__, str(error)),
                       message=_first_line(error), failed_step=len(steps) + 1)
     result.update(h.step_figures(steps, meter.available))
+    temp = _xla_temp_bytes(spec.get("xla_dump"))
+    if temp is not None:
+        result["xla_temp_bytes"] = temp
     if dev.kind == "cpu" and limit and result["status"] == "fits":
         peak = result.get("total_peak_bytes") or 0
         if peak > limit * MIB:  # the CPU has no memory_limit: compared, not enforced
@@ -217,13 +241,22 @@ class Run:
         env = h.trial_env() if limit else dict(os.environ)
         env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
         env.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "true")  # statistics on the CPU
+        # XLA's buffer assignment of the step: its temp buffer, which the CPU's allocator
+        # figure does not show (module docstring)
+        dump = tempfile.mkdtemp(prefix="tf_relupool_measure_xla_")
+        spec["xla_dump"] = dump
+        env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + f" --xla_dump_to={dump}"
+                            f" --xla_dump_hlo_module_re={TRAIN_STEP_MODULES}").strip()
         # The worker imports this very package, wherever it was started from (`-m` would put
         # the working directory first on sys.path, where a source tree may shadow it).
         parent = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         cmd = [sys.executable, "-c", "import sys; sys.path.insert(0, sys.argv.pop(1)); "
                "from tf_relupool.measure import main; sys.exit(main())", parent, "--worker",
                json.dumps(spec)]
-        out = h.run_fresh(cmd, a.trial_timeout, env=env)
+        try:
+            out = h.run_fresh(cmd, a.trial_timeout, env=env)
+        finally:
+            shutil.rmtree(dump, ignore_errors=True)
         try:
             result = h.read_result(out["stdout"])
         except h.DeviceError as e:
@@ -335,6 +368,9 @@ def render(report):
     repeat = max(len(v[k].get("processes") or [None]) for k in v) if v else 1
     header = ["variant", "steady peak MiB", "first-step peak MiB",
               "step ms (median)" if repeat == 1 else f"step ms (median, {repeat} processes)"]
+    xla_temp = any(v[k].get("xla_temp_bytes") for k in v)
+    if xla_temp:
+        header.append("XLA temp buffer MiB")
     search = any(v[k].get("largest_batch") is not None for k in v)
     if search:
         header.append(f"largest batch under {limit} MiB")
@@ -361,6 +397,9 @@ def render(report):
                      + ratio(r, "first_peak_bytes", lambda a, b: f"{a / b:.2f}x"),
                      (f"{t * 1e3:.1f}" if t else "n/a")
                      + ratio(r, "step_seconds", lambda a, b: f"{b / a:.2f}x speed")]
+        if xla_temp:
+            cells.append(_mib(r.get("xla_temp_bytes"))
+                         + ratio(r, "xla_temp_bytes", lambda a, b: f"{a / b:.2f}x"))
         if search:
             big = r.get("largest_batch")
             cells.append("n/a" if big is None else str(big) + ratio(
@@ -379,6 +418,11 @@ def render(report):
         notes.append("- Step times: one fresh process per variant; on a GPU one variant's step "
                      "time moves by several percent from process to process (docs/memory.md): "
                      "--repeat 3 gives medians over alternating processes.")
+    if xla_temp and dev.get("kind") == "cpu":
+        notes.append("- XLA temp buffer: what XLA's buffer assignment allocates for the step. On "
+                     "the CPU the allocator gives that one buffer a region of a power of two "
+                     "MiB, not split, and its peak counts the whole region, so the peak moves "
+                     "in steps of the region size and hides a smaller buffer.")
     if notes:
         lines += [""] + notes
     return "\n".join(lines)
