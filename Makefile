@@ -40,7 +40,8 @@ CPU_INDEPENDENT ?= tests/test_loader.py tests/test_versions.py tests/test_gpu.py
 	tests/test_gpu_build.py tests/test_examples.py tests/test_compat.py tests/test_hooks.py \
 	tests/test_no_compiler.py tests/test_legacy_keras.py tests/test_results_index.py \
 	tests/test_measure.py tests/test_largest_batch.py tests/test_harness.py tests/test_config.py \
-	tests/test_autotune_cache.py tests/test_random_state.py tests/test_distribute.py
+	tests/test_autotune_cache.py tests/test_random_state.py tests/test_distribute.py \
+	tests/test_recompute_plan.py
 STOCK_TESTS ?= $(filter-out $(CPU_INDEPENDENT),$(sort $(wildcard tests/test_*.py)))
 AVX2_ENV := TF_ENABLE_ONEDNN_OPTS=0 XLA_FLAGS="$$XLA_FLAGS --xla_cpu_max_isa=AVX2" TF_RELUPOOL_CPU_ISA=avx2
 PYTEST_JOBS ?= auto
