@@ -266,6 +266,18 @@ def make_dy(case, y_shape):
 GPU_VISIBLE = bool(tf.config.list_physical_devices("GPU"))
 
 
+def cpu_flags():
+    """The CPU's feature flags from /proc/cpuinfo (x86-64 Linux), or None where it has none."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return None
+
+
 @pytest.fixture(scope="session")
 def lib():
     import tf_relupool
@@ -516,10 +528,6 @@ def xla_temp_and_digest(model, size, batch, variants, tmp_path, head="softmax"):
     from tf_relupool import _harness
     temps = {}
     for variant in variants.split(","):
-        sizes = [s for name in os.listdir(dump)
-                 if f"digest_step_{variant}" in name and name.endswith("buffer-assignment.txt")
-                 for _, s, kind in _harness.xla_allocations(os.path.join(dump, name))
-                 if "preallocated-temp" in kind]
-        assert sizes, (variant, sorted(os.listdir(dump))[:20])
-        temps[variant] = max(sizes)
+        temps[variant] = _harness.xla_temp_bytes(dump, f"digest_step_{variant}")
+        assert temps[variant] is not None, (variant, sorted(os.listdir(dump))[:20])
     return json.loads(lines[-1][len("RESULT "):]), temps

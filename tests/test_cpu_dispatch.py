@@ -29,7 +29,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import tf_relupool
-from conftest import assert_bitwise_equal, make_dy, stock_forward_and_grad
+from conftest import assert_bitwise_equal, cpu_flags, make_dy, stock_forward_and_grad
 from tf_relupool._loader import library_path, load_library
 
 ISAS = ("baseline", "avx2", "avx512")
@@ -58,22 +58,11 @@ def set_isa(isa):
     assert rc == 0, f"cannot select {isa}: {rc}"
 
 
-def _cpu_flags():
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return None
-
-
 # ---- Choosing the path ----
 
 def test_supported_paths_match_the_cpu():
     assert "baseline" in SUPPORTED
-    flags = _cpu_flags()
+    flags = cpu_flags()
     if flags is None or not re.match(r"x86_64|AMD64", os.uname().machine):
         pytest.skip("no /proc/cpuinfo flags of an x86-64 CPU")
     assert ("avx2" in SUPPORTED) == ("avx2" in flags)

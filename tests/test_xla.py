@@ -20,7 +20,8 @@ from hypothesis import strategies as st
 
 import tf_relupool
 from tf_relupool import _geometry, _versions, gradient_sources, keras_fusion, xla
-from conftest import (DTYPES, GPU_VISIBLE, assert_bitwise_equal, derivatives, examples,
+from conftest import (DTYPES, GPU_VISIBLE, assert_bitwise_equal, cpu_flags, derivatives,
+                      examples,
                       forward_and_input_grad, forward_tensors_the_backward_reads,
                       xla_hlo, xla_temp_and_digest, xla_train_step, xla_value_and_grad)
 
@@ -1011,11 +1012,8 @@ def _xla_cpu_code_is_avx2():
     or a CPU without AVX-512."""
     if "--xla_cpu_max_isa=AVX2" in os.environ.get("XLA_FLAGS", ""):
         return True
-    try:
-        with open("/proc/cpuinfo") as f:
-            return "avx512f" not in f.read()
-    except OSError:
-        return False
+    flags = cpu_flags()
+    return flags is not None and "avx512f" not in flags
 
 
 @pytest.mark.skipif(GPU_VISIBLE or not _xla_cpu_code_is_avx2(),

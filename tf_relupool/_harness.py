@@ -19,7 +19,7 @@ package's __init__ (which imports TensorFlow), so that their drivers never start
 - trial_env / run_fresh: one fresh process per trial (a memory_limit must be set before
   TensorFlow starts, and an OOM can leave a process unusable), its status read from its exit.
 - library_built: when the op library was built.
-- xla_allocations / conv_scratch: what an XLA executable allocates, read from an
+- xla_allocations / xla_temp_bytes / conv_scratch: what an XLA executable allocates, read from an
   `--xla_dump_to` directory's files (benchmarks/xla_buffers.py prints them; the tests read the
   preallocated temp buffer).
 """
@@ -461,6 +461,19 @@ def xla_allocations(path):
     """[(index, size, kind text)] of a *buffer-assignment.txt file; the preallocated temp buffer
     (one contiguous allocation per run) has "preallocated-temp" in its kind."""
     return [(int(m.group(1)), int(m.group(2)), m.group(3)) for m in _matches(path, _ALLOC)]
+
+
+def xla_temp_bytes(dump, name_contains=""):
+    """The largest preallocated temp buffer of the modules dumped under `dump` (an
+    `--xla_dump_to` folder) whose buffer-assignment file's name contains `name_contains`, or None
+    where there is none (no such folder, no XLA module)."""
+    if not dump or not os.path.isdir(dump):
+        return None
+    sizes = [size for name in os.listdir(dump)
+             if name_contains in name and name.endswith("buffer-assignment.txt")
+             for _, size, kind in xla_allocations(os.path.join(dump, name))
+             if "preallocated-temp" in kind]
+    return max(sizes) if sizes else None
 
 
 def conv_scratch(path):

@@ -25,8 +25,8 @@ max-pool pairs the switch fused (under XLA: counted where Keras traces the model
 the Grappler pass's fusions). Under XLA also XLA's temp buffer of the step, read from its buffer
 assignment (each trial dumps the step's modules into a temporary folder): on the CPU the
 allocator's peak counts the whole power-of-two region it gives that buffer, so only this figure
-follows the batch and shows what the switch saves there. A switch trial that does not train under the limit runs once more,
-as a user's second run would: the first one left XLA's autotuning results in the switch's
+follows the batch and shows what the switch saves there. A switch trial that does not train
+under the limit runs once more, as a user's second run would: the first one left XLA's autotuning results in the switch's
 autotune cache (docs/memory.md, "The largest batch at Keras' default compile").
 """
 import argparse
@@ -88,18 +88,6 @@ def _stage(result, stage):
 
 #: The XLA modules of Keras' training step (its `one_step_on_data` tf.function).
 TRAIN_STEP_MODULES = ".*one_step_on_data.*"
-
-
-def _xla_temp_bytes(dump):
-    """XLA's preallocated temp buffer of the training step (its largest over the step's
-    compiled modules), read from the buffer assignments under `dump`, or None (no XLA, or no
-    dump)."""
-    if not dump or not os.path.isdir(dump):
-        return None
-    sizes = [size for name in os.listdir(dump) if name.endswith("buffer-assignment.txt")
-             for _, size, kind in h.xla_allocations(os.path.join(dump, name))
-             if "preallocated-temp" in kind]
-    return max(sizes) if sizes else None
 
 
 def worker(spec):
@@ -173,7 +161,7 @@ def worker(spec):
         result.update(status=h.classify_error(type(error).__name__, str(error)),
                       message=_first_line(error), failed_step=len(steps) + 1)
     result.update(h.step_figures(steps, meter.available))
-    temp = _xla_temp_bytes(spec.get("xla_dump"))
+    temp = h.xla_temp_bytes(spec.get("xla_dump"))
     if temp is not None:
         result["xla_temp_bytes"] = temp
     if dev.kind == "cpu" and limit and result["status"] == "fits":

@@ -70,7 +70,7 @@ def plan(candidates, budget):
         raise ValueError(f"budget: expected a number in [0, 1], got {budget!r}")
     by_name = _checked(candidates)
     total = sum(c.bytes for c in by_name.values())
-    order = recompute_order(by_name.values())
+    order = _order(by_name)
     allowed = budget * total
     kept, chosen, cost = total, [], 0
     for name in order:
@@ -85,7 +85,11 @@ def plan(candidates, budget):
 def recompute_order(candidates):
     """Every candidate's name, in the order plan() recomputes them: each after its needs, by
     least FLOPs added per byte freed (module docstring)."""
-    by_name = _checked(candidates)
+    return _order(_checked(candidates))
+
+
+def _order(by_name):
+    """recompute_order of checked candidates ({name: Candidate})."""
     done, order = set(), []
     while len(done) < len(by_name):
         best = None
