@@ -6,6 +6,12 @@ the source tree's tf_relupool/ has no compiled library unless built in place).
 import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+# The fusion's tests test its form on every CPU: where XLA emits AVX-512 code, the switch's
+# default (`exact`) gives a ReLU + max pool after a bias or a BatchNormalization stock's route
+# (tf_relupool.xla.reordered_sum_reason), so the suite asks for the fusion there
+# (enable_recompute(exact=False)'s environment default; subprocesses inherit it); the default
+# itself is tested with exact=True (test_xla.py's test_exact_*).
+os.environ.setdefault("TF_RELUPOOL_EXACT", "0")
 
 import contextlib
 import importlib.util
@@ -268,14 +274,8 @@ GPU_VISIBLE = bool(tf.config.list_physical_devices("GPU"))
 
 def cpu_flags():
     """The CPU's feature flags from /proc/cpuinfo (x86-64 Linux), or None where it has none."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return None
+    from tf_relupool import _cpuinfo
+    return _cpuinfo.flags()
 
 
 @pytest.fixture(scope="session")

@@ -7,7 +7,9 @@ mode: run with XLA_FLAGS=--xla_gpu_deterministic_ops=true TF_CUDNN_DETERMINISTIC
 
 Prints one row per (pad, conv bias, BN, batch): the number of differing elements per weight
 (conv kernel, [conv bias], [gamma, beta], dense kernel, dense bias). One process; each model is
-traced once by stock and once under the switch, from the same weights and input.
+traced once by stock and once under the switch, from the same weights and input. The switch
+runs with exact=False, so that the pool is fused on every CPU (with exact=True XLA's AVX-512
+code gives such a pool stock's route: tf_relupool.xla.reordered_sum_reason).
 """
 import argparse
 import itertools
@@ -15,7 +17,7 @@ import itertools
 import numpy as np
 
 
-def gradients(tf, keras, tf_relupool, batch, pad, bias, bn):
+def gradients(tf, keras, tf_relupool, batch, pad, bias, bn, exact=False):
     inputs = keras.Input((8, 8, 3))
     x = keras.layers.Conv2D(4, 3, padding="same", use_bias=bias,
                             kernel_initializer=keras.initializers.RandomNormal(seed=1),
@@ -36,7 +38,7 @@ def gradients(tf, keras, tf_relupool, batch, pad, bias, bn):
             loss = tf.reduce_sum(model(x, training=True))
         return tape.gradient(loss, model.trainable_variables)
     stock = tf.function(step, jit_compile=True)(data)
-    with tf_relupool.recompute():
+    with tf_relupool.recompute(exact=exact):
         switch = tf.function(step, jit_compile=True)(data)
     return [int(np.sum(a.numpy().view(np.uint32) != b.numpy().view(np.uint32)))
             for a, b in zip(stock, switch)]

@@ -51,6 +51,29 @@ def test_enable_rejects_bad_keep(bad):
     assert tf_relupool.recompute_mode() is None
 
 
+def test_exact_argument_environment_default_and_restore(monkeypatch):
+    """`exact`: a bool, or None for TF_RELUPOOL_EXACT's value (unset: True); other values raise
+    ValueError naming the argument or the variable; recompute() restores it."""
+    monkeypatch.delenv("TF_RELUPOOL_EXACT", raising=False)
+    tf_relupool.enable_recompute()
+    assert _state.exact() is True
+    for value, expected in (("0", False), ("off", False), ("1", True), ("", True)):
+        monkeypatch.setenv("TF_RELUPOOL_EXACT", value)
+        tf_relupool.enable_recompute()
+        assert _state.exact() is expected, value
+    monkeypatch.setenv("TF_RELUPOOL_EXACT", "maybe")
+    with pytest.raises(ValueError, match="TF_RELUPOOL_EXACT"):
+        tf_relupool.enable_recompute()
+    tf_relupool.enable_recompute(exact=False)  # the argument wins over the environment
+    assert _state.exact() is False
+    with tf_relupool.recompute(exact=True):
+        assert _state.exact() is True
+    assert _state.exact() is False
+    for bad in ("yes", 1, 0.0):
+        with pytest.raises(ValueError, match="`exact`"):
+            tf_relupool.enable_recompute(exact=bad)
+
+
 def test_context_manager_sets_and_restores_even_on_error():
     with tf_relupool.recompute() as mode:
         assert mode == "argmax" and tf_relupool.recompute_mode() == "argmax"

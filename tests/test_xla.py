@@ -19,7 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import tf_relupool
-from tf_relupool import _geometry, _versions, gradient_sources, keras_fusion, xla
+from tf_relupool import _cpuinfo, _geometry, _versions, gradient_sources, keras_fusion, xla
 from conftest import (DTYPES, GPU_VISIBLE, assert_bitwise_equal, cpu_flags, derivatives,
                       examples,
                       forward_and_input_grad, forward_tensors_the_backward_reads,
@@ -1014,6 +1014,59 @@ def _xla_cpu_code_is_avx2():
         return True
     flags = cpu_flags()
     return flags is not None and "avx512f" not in flags
+
+
+@pytest.mark.skipif(GPU_VISIBLE or not _cpuinfo.xla_avx512(),
+                    reason="the rule applies where XLA emits AVX-512 CPU code")
+@pytest.mark.parametrize("pad,bias,bn", [(False, False, True), (False, True, False),
+                                         (True, True, True), (True, False, False)])
+def test_exact_leaves_a_pool_after_a_sum_on_stocks_route_at_avx512(pad, bias, bn):
+    """The switch's default (exact=True) where XLA emits AVX-512 CPU code: a pool whose ReLU
+    reads a conv bias's or a BatchNormalization's output takes stock's route, counted and
+    named, and every gradient is stock's (fused, up to 74 of the kernel's 108 elements
+    differed); a pool after a plain convolution is fused as before; exact=False fuses both."""
+    import conv_bn_pool_bits as bits
+    sums = bias or bn
+    before = keras_fusion.stats()
+    counts = bits.gradients(tf, keras, tf_relupool, 8, pad, bias, bn, exact=True)
+    after = keras_fusion.stats()
+    assert after["fused"] == before["fused"] + (0 if sums else 1)
+    assert after["fallen_back"]["reordered_sum"] == (
+        before["fallen_back"]["reordered_sum"] + (1 if sums else 0))
+    assert counts == [0] * len(counts), counts
+    bits.gradients(tf, keras, tf_relupool, 8, pad, bias, bn, exact=False)
+    assert keras_fusion.stats()["fused"] == after["fused"] + 1
+
+
+def test_exact_rule_reads_the_producer_and_xla_flags(monkeypatch):
+    """xla.summing_producer names a bias, a broadcasting add and a fused BN (through a cast)
+    and nothing for a convolution, a same-shaped add or a constant's broadcast; _cpuinfo.xla_avx512 follows
+    --xla_cpu_max_isa (the last one given) and the CPU's flags."""
+    @tf.function
+    def probe():
+        z = tf.zeros([2, 4, 4, 3])
+        c = tf.constant([1.0, 2.0, 3.0])
+        b = tf.identity(c)  # a bias read, not a constant
+        conv = tf.nn.conv2d(z, tf.zeros([1, 1, 3, 3]), 1, "VALID")
+        found = [xla.summing_producer(t) for t in (
+            tf.nn.bias_add(conv, c), tf.cast(tf.cast(conv + b, tf.float16), tf.float32),
+            tf.compat.v1.nn.fused_batch_norm(z, c, c)[0], conv, conv + z, conv * 2.0)]
+        assert [f is not None for f in found] == [True, True, True, False, False, False], found
+        return z
+    probe()
+    monkeypatch.setattr(_cpuinfo, "flags", lambda: {"avx2", "avx512f"})
+    monkeypatch.setattr(_cpuinfo.platform, "machine", lambda: "x86_64")
+    for flags, expected in (("", True), ("--xla_cpu_max_isa=AVX2", False),
+                            ("--xla_cpu_max_isa=avx", False),
+                            ("--xla_cpu_max_isa=AVX2 --xla_cpu_max_isa=AVX512", True)):
+        monkeypatch.setenv("XLA_FLAGS", flags)
+        assert _cpuinfo.xla_avx512() is expected, flags
+    monkeypatch.setenv("XLA_FLAGS", "")
+    monkeypatch.setattr(_cpuinfo, "flags", lambda: {"avx2"})
+    assert _cpuinfo.xla_avx512() is False
+    monkeypatch.setattr(_cpuinfo.platform, "machine", lambda: "aarch64")
+    monkeypatch.setattr(_cpuinfo, "flags", lambda: None)
+    assert _cpuinfo.xla_avx512() is False
 
 
 @pytest.mark.skipif(GPU_VISIBLE or not _xla_cpu_code_is_avx2(),

@@ -2,7 +2,7 @@
 may be and its one validation, the switch's mode, and the codes of cc/grappler/state.h's `Mode`
 enum that the graph optimizer's C API takes.
 
-The one store of the switch's value (the mode and its activation part). tf_relupool.config
+The one store of the switch's value (the mode, its activation part and its `exact` part). tf_relupool.config
 writes it under its lock, then tells each route that it changed: the trace-time routes
 (keras_fusion, segments) install or remove their hooks, which read the value here when traced;
 the Grappler pass gets the mode copied into the op library (grappler.set_mode), as C++ cannot
@@ -20,6 +20,7 @@ MODE_CODES = {None: 0, KEEP_ARGMAX: 1, KEEP_INPUT: 2}
 
 _mode = None  # None (off), KEEP_ARGMAX or KEEP_INPUT; written by config under its lock
 _activations = False  # enable_recompute(activations=True), only with the mode on (segments.py)
+_exact = True  # enable_recompute(exact=False): keep the fusion where XLA orders sums otherwise
 
 
 def check_keep(keep, allow_none=False, allow_bool=False):
@@ -58,3 +59,15 @@ def set_activations(on):
     """Sets the activation part of the switch (config holds the lock, then tells the routes)."""
     global _activations
     _activations = bool(on)
+
+
+def exact():
+    """Whether the switch gives up a fusion where XLA is known to order a sum after it otherwise
+    than stock's (enable_recompute(exact=True), the default; keras_fusion reads it)."""
+    return _exact
+
+
+def set_exact(on):
+    """Sets the `exact` part of the switch (config holds the lock)."""
+    global _exact
+    _exact = bool(on)

@@ -45,6 +45,7 @@ from tf_relupool import _state, autotune_cache, grappler, keras_fusion, segments
 from tf_relupool._state import KEEP_ARGMAX, KEEP_INPUT
 
 ENV_VAR = "TF_RELUPOOL_RECOMPUTE"
+EXACT_ENV_VAR = "TF_RELUPOOL_EXACT"  # the default of `exact` ("0": False)
 LEGACY_KERAS_VAR = "TF_USE_LEGACY_KERAS"  # TensorFlow's: tf.keras is then tf_keras (Keras 2)
 _OFF_WORDS = ("0", "off", "false", "no", "none", "")
 _ARGMAX_WORDS = ("1", "on", "true", "yes", KEEP_ARGMAX)
@@ -66,7 +67,7 @@ def parse_env_value(value):
         f"{ENV_VAR}={value!r} is not understood; use one of '0'/'off', '1'/'argmax', 'input'")
 
 
-def enable_recompute(keep=KEEP_ARGMAX, activations=False, bn_relu=None):
+def enable_recompute(keep=KEEP_ARGMAX, activations=False, bn_relu=None, exact=None):
     """Turns the switch on: `ReluMaxPool2D(keep=None)` layers run the fused op, and stock
     relu + max_pool pairs are fused in functions traced afterwards: inside XLA-compiled ones
     (Keras' default compile on a GPU) where Keras' max pooling is traced (docs/xla.md), in
@@ -85,6 +86,13 @@ def enable_recompute(keep=KEEP_ARGMAX, activations=False, bn_relu=None):
         less memory, some elementwise work more (tf_relupool/segments.py,
         docs/activations.md). Turn it on whenever the batch does not fit.
       bn_relu: the name `activations` had when only BN + ReLU was covered; either turns it on.
+      exact: True (the default, unless TF_RELUPOOL_EXACT=0 in the environment): where XLA is known to compile a sum after a fused pool in another
+        order than stock's, that pool runs stock's ops (no saving there, stock's bits). Today
+        one case: XLA's CPU code at AVX-512 sums the gradient of a conv bias or a
+        BatchNormalization before a ReLU + max pool (or a zero pad then a max pool) otherwise;
+        on a GPU and at AVX2 nothing changes. `fusion_report` names each such pool. False keeps
+        the saving there, and those gradients may then differ from stock's in the last bits
+        (docs/xla.md, "Exact semantics under XLA").
 
     On a GPU it also points XLA at a persistent autotune cache, so that a later run at the same
     batch does not autotune again: under a tight memory budget the first step's autotuning
@@ -100,10 +108,11 @@ def enable_recompute(keep=KEEP_ARGMAX, activations=False, bn_relu=None):
     the Grappler route sees tf.keras models (docs/keras.md).
 
     Raises:
-      ValueError: `keep` is not "argmax" or "input", or `activations` (`bn_relu`) is not a
-        bool.
+      ValueError: `keep` is not "argmax" or "input", or `activations` (`bn_relu`) or `exact` is
+        not a bool.
     """
-    _set(_state.check_keep(keep, allow_bool=True), _check_activations(activations, bn_relu))
+    _set(_state.check_keep(keep, allow_bool=True), _check_activations(activations, bn_relu),
+         _check_exact(exact))
 
 
 def disable_recompute():
@@ -123,12 +132,12 @@ def recompute_enabled():
 
 
 @contextlib.contextmanager
-def recompute(keep=KEEP_ARGMAX, activations=False, bn_relu=None):
+def recompute(keep=KEEP_ARGMAX, activations=False, bn_relu=None, exact=None):
     """Context manager: sets the switch for the duration of the block, then restores it.
 
     `keep` is "argmax" (default) or "input" to turn it on, None or False to turn it off
-    temporarily; `activations` (`bn_relu`) as for `enable_recompute` (only with the switch
-    on). Affects what is traced inside the block:
+    temporarily; `activations` (`bn_relu`) and `exact` as for `enable_recompute` (activations
+    only with the switch on). Affects what is traced inside the block:
 
     >>> with tf_relupool.recompute():            # fused, keeping 1-byte argmax codes
     ...     model.compile(...); model.fit(...)
@@ -136,15 +145,15 @@ def recompute(keep=KEEP_ARGMAX, activations=False, bn_relu=None):
     ...     ...
 
     Raises:
-      ValueError: `keep` is not "argmax", "input", None or False; `activations` (`bn_relu`) is
-        not a bool, or True with the switch off.
+      ValueError: `keep` is not "argmax", "input", None or False; `activations` (`bn_relu`) or
+        `exact` is not a bool, or `activations` True with the switch off.
     """
     keep = _state.check_keep(keep, allow_none=True, allow_bool=True)
     on = _check_activations(activations, bn_relu)
     if on and keep is None:
         name = "bn_relu" if bn_relu else "activations"
         raise ValueError(f"`{name}=True` needs the switch on; received keep=None")
-    previous = _set(keep, on)
+    previous = _set(keep, on, _check_exact(exact))
     try:
         yield keep
     finally:
@@ -160,12 +169,30 @@ def _check_activations(activations, bn_relu=None):
     return activations or bool(bn_relu)
 
 
-def _set(keep, activations=False, at_import=False):
-    """Sets the switch's value (checked) and its activation part; returns the previous pair."""
+def _check_exact(exact):
+    """`exact` checked to be a bool; None: TF_RELUPOOL_EXACT's value ("0", "off", "false", "no":
+    False; unset, "", "1", "on", "true", "yes": True)."""
+    if exact is None:
+        value = os.environ.get(EXACT_ENV_VAR, "")
+        word = value.strip().lower()
+        if word in ("", "1", "on", "true", "yes"):
+            return True
+        if word in ("0", "off", "false", "no"):
+            return False
+        raise ValueError(f"{EXACT_ENV_VAR}={value!r} is not understood; use '1' or '0'")
+    if not isinstance(exact, bool):
+        raise ValueError(f"The `exact` argument must be True or False. Received: exact={exact!r}")
+    return exact
+
+
+def _set(keep, activations=False, exact=True, at_import=False):
+    """Sets the switch's value (checked), its activation part and its `exact` part; returns the
+    previous three."""
     with _lock:
-        previous = (_state.mode(), _state.activations())
+        previous = (_state.mode(), _state.activations(), _state.exact())
         _state.set_mode(keep)
         _state.set_activations(keep is not None and activations)
+        _state.set_exact(exact)
         _notify_routes(at_import)
     if keep is not None:
         _warn_legacy_keras()  # outside the lock: a warnings filter may make it raise
@@ -239,7 +266,12 @@ def _init_from_environment():
         _state.set_mode(None)
         return
     logger.info("recompute switch on from %s=%r: keep=%r", ENV_VAR, value, mode)
-    _set(mode, False, at_import=True)
+    try:
+        exact = _check_exact(None)
+    except ValueError as e:
+        warnings.warn(f"{e}; exact stays True", RuntimeWarning, stacklevel=2)
+        exact = True
+    _set(mode, False, exact, at_import=True)
 
 
 _init_from_environment()

@@ -56,7 +56,8 @@ _hooks = Hooks()  # Keras' max_pool and tf.nn's while the switch is on
 _TF_NAMES = ("max_pool2d", "max_pool")
 _local = threading.local()  # .probe: the names reached
 _stats = {"fused": 0, "fused_through_pad": 0, "fused_monotone": 0}
-_fallen_back = {"unknown_size": 0, "large_window": 0}  # xla.UNKNOWN_SIZE, xla.LARGE_WINDOW
+#: xla.UNKNOWN_SIZE, xla.LARGE_WINDOW, xla.REORDERED_SUM
+_fallen_back = {"unknown_size": 0, "large_window": 0, "reordered_sum": 0}
 _DTYPES = ("float16", "bfloat16", "float32", "float64")
 _warned = set()  # the roles without a rule here, warned once
 
@@ -89,7 +90,7 @@ def stats():
     """Counts since import of the trace-time fusion's decisions: {"fused": n,
     "fused_through_pad": m (of n), "fused_monotone": k (of n: a non-decreasing activation other
     than ReLU), "fallen_back": {reason: k}}, where a reason (xla.UNKNOWN_SIZE,
-    xla.LARGE_WINDOW) made a ReLU + max pool run stock's ops inside XLA (with a warning)."""
+    xla.LARGE_WINDOW, xla.REORDERED_SUM) made a ReLU + max pool run stock's ops inside XLA (with a warning)."""
     return dict(_stats, fallen_back=dict(_fallen_back))
 
 
@@ -289,6 +290,9 @@ def _fuse_pool(traced_input, ksize, strides, padding, fmt, stock_pool, path, to_
         reason = xla.unsupported_reason(inputs.shape, ksize, strides, padding, [], fmt)
     except ValueError:  # no window fits the input: stock's own function reports it
         return stock_pool(inputs)
+    if reason is None and _state.exact():
+        why = xla.reordered_sum_reason(z)
+        reason = None if why is None else (xla.REORDERED_SUM, why)
     if reason is not None:
         _fallen_back[reason[0]] += 1
         xla.warn_fallback(*reason)

@@ -88,6 +88,68 @@ MONOTONE = {
 }
 
 
+#: Ops making a fused pool's z (through casts) whose gradient sums dz over the batch and the
+#: spatial positions: a bias, BatchNormalization's shift and scale (an elementwise op with a
+#: broadcast per-channel operand), TensorFlow's fused BatchNormalization. After the fused form
+#: XLA's AVX-512 CPU code orders those sums otherwise than after stock's (a conv bias's and
+#: BatchNormalization's gradients, and through them the kernel's, differ in the last bits;
+#: docs/xla.md), so with the switch's `exact` (the default) such a pool takes stock's route
+#: there (`reordered_sum_reason`).
+SUMMING_PRODUCERS = {
+    "BiasAdd": "a bias",
+    "FusedBatchNorm": "a BatchNormalization",
+    "FusedBatchNormV2": "a BatchNormalization",
+    "FusedBatchNormV3": "a BatchNormalization",
+}
+_BROADCASTING = ("AddV2", "Add", "Sub", "Mul")  # summing where an operand is broadcast
+_PASS_THROUGH = ("Cast", "Identity")
+
+
+def summing_producer(z):
+    """What makes `z` (through casts) when its gradient sums dz (SUMMING_PRODUCERS, or an
+    elementwise op broadcasting a smaller operand that is not a constant: a bias,
+    BatchNormalization's shift), else None."""
+    t = z
+    for _ in range(4):
+        op = getattr(t, "op", None)
+        if op is None:
+            return None
+        if op.type in _PASS_THROUGH and op.inputs:
+            t = op.inputs[0]
+            continue
+        if op.type in SUMMING_PRODUCERS:
+            return SUMMING_PRODUCERS[op.type]
+        if op.type in _BROADCASTING and t.shape.is_fully_defined() and any(
+                i.op.type != "Const" and (not i.shape.is_fully_defined()
+                                          or i.shape.num_elements() < t.shape.num_elements())
+                for i in op.inputs):
+            return "a bias or a BatchNormalization (a per-channel add or multiply)"
+        return None
+    return None
+
+
+def compiled_for_cpu(tensor):
+    """Whether the XLA function being traced computes `tensor` on a CPU: the op's device when
+    placed (tf.device), else the default device (a GPU where one is visible)."""
+    device = (getattr(getattr(tensor, "op", None), "device", "") or "").upper()
+    if "GPU" in device:
+        return False
+    return "CPU" in device or not tf.config.list_logical_devices("GPU")
+
+
+def reordered_sum_reason(z):
+    """Why a pool fused over `z` would not give stock's bits in this process, or None: XLA
+    compiles it for an AVX-512 CPU and z's producer sums its gradient (SUMMING_PRODUCERS)."""
+    from tf_relupool import _cpuinfo
+    what = summing_producer(z)
+    if what is None or not compiled_for_cpu(z) or not _cpuinfo.xla_avx512():
+        return None
+    return (f"a pool whose input comes from {what}, whose gradient XLA's AVX-512 CPU code sums "
+            "in another order after the fused pool than after stock's (the last bits of that "
+            "gradient and the kernel's would differ); enable_recompute(exact=False) keeps the "
+            "saving (docs/xla.md)")
+
+
 def monotone(op):
     """The MONOTONE row of `op`, a traced activation op, where it is fused (no `not_fused`, its
     condition holds), else None."""
@@ -145,7 +207,7 @@ def window_positions(dims):
 
 
 #: Why the XLA form falls back to the stock ops: the keys of unsupported_reason's first field.
-UNKNOWN_SIZE, LARGE_WINDOW = "unknown_size", "large_window"
+UNKNOWN_SIZE, LARGE_WINDOW, REORDERED_SUM = "unknown_size", "large_window", "reordered_sum"
 
 
 def unsupported_reason(input_shape, ksize, strides, padding, explicit_paddings, data_format):
@@ -170,6 +232,7 @@ _ADVICE = {
                   "a dataset whose element_spec has them, a tf.function input_signature "
                   "with them, keras.Input((32, 32, 3)))",
     LARGE_WINDOW: "larger windows are not unrolled",
+    REORDERED_SUM: "stock's bits kept",
 }
 _warned = {kind: weakref.WeakSet() for kind in _ADVICE}
 _warned_lock = threading.Lock()
