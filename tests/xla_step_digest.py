@@ -8,7 +8,7 @@ xla_temp_and_digest), so that XLA reads the dump flags the test sets.
 MODEL: an example model of tf_relupool._example_models ("resnet"), a keras.applications name, or
 "ResNet50Stem" (resnet50_stem below);
 VARIANTS: comma-separated stock (switch off), switch (enable_recompute()), product
-(enable_recompute(activations=True)); HEAD: "softmax" (1000 classes, probabilities) or
+(enable_recompute(activations=True)), budgetNN (enable_recompute(memory_budget=NN/100)); HEAD: "softmax" (1000 classes, probabilities) or
 "logits" (10 classes; ResNet50Stem has logits only); DEVICE: "cpu" (default: the GPU hidden)
 or "gpu" (the GPU runs of scripts/gpu_segments.sh and scripts/resnet50_stem_gpu.sh, in XLA's
 deterministic mode). Each variant's step function is named
@@ -73,6 +73,8 @@ result = {}
 for variant in variants:
     if variant == "stock":
         tf_relupool.disable_recompute()
+    elif variant.startswith("budget"):
+        tf_relupool.enable_recompute(memory_budget=int(variant[len("budget"):]) / 100)
     else:
         tf_relupool.enable_recompute(activations=variant == "product")
     model.set_weights(init)

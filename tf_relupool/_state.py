@@ -21,6 +21,7 @@ MODE_CODES = {None: 0, KEEP_ARGMAX: 1, KEEP_INPUT: 2}
 _mode = None  # None (off), KEEP_ARGMAX or KEEP_INPUT; written by config under its lock
 _activations = False  # enable_recompute(activations=True), only with the mode on (segments.py)
 _exact = True  # enable_recompute(exact=False): keep the fusion where XLA orders sums otherwise
+_memory_budget = 1.0  # enable_recompute(memory_budget=b): below 1 convolutions are recomputed too
 
 
 def check_keep(keep, allow_none=False, allow_bool=False):
@@ -71,3 +72,15 @@ def set_exact(on):
     """Sets the `exact` part of the switch (config holds the lock)."""
     global _exact
     _exact = bool(on)
+
+
+def memory_budget():
+    """The share (0 to 1) of the recomputable blocks' kept bytes that may stay kept: 1 (the
+    default) recomputes no convolution (conv_recompute.py)."""
+    return _memory_budget
+
+
+def set_memory_budget(b):
+    """Sets the memory budget (checked; config holds the lock)."""
+    global _memory_budget
+    _memory_budget = float(b)

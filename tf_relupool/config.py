@@ -67,7 +67,8 @@ def parse_env_value(value):
         f"{ENV_VAR}={value!r} is not understood; use one of '0'/'off', '1'/'argmax', 'input'")
 
 
-def enable_recompute(keep=KEEP_ARGMAX, activations=False, bn_relu=None, exact=None):
+def enable_recompute(keep=KEEP_ARGMAX, activations=False, bn_relu=None, exact=None,
+                     memory_budget=1):
     """Turns the switch on: `ReluMaxPool2D(keep=None)` layers run the fused op, and stock
     relu + max_pool pairs are fused in functions traced afterwards: inside XLA-compiled ones
     (Keras' default compile on a GPU) where Keras' max pooling is traced (docs/xla.md), in
@@ -93,6 +94,13 @@ def enable_recompute(keep=KEEP_ARGMAX, activations=False, bn_relu=None, exact=No
         on a GPU and at AVX2 nothing changes. `fusion_report` names each such pool. False keeps
         the saving there, and those gradients may then differ from stock's in the last bits
         (docs/xla.md, "Exact semantics under XLA").
+      memory_budget: a number in [0, 1]: under XLA, the share of the bytes that the
+        recomputable convolution blocks' outputs (a convolution's output, which its
+        BatchNormalization reads, and the activation after it) keep for the backward pass that
+        may stay kept. 1 (the default) recomputes no convolution; below 1 `activations` is on
+        too and the backward recomputes chosen convolutions from their kept inputs, cheapest
+        FLOPs per byte first (tf_relupool/recompute_plan.py; 0: every block it covers,
+        tf_relupool/conv_recompute.py, docs/activations.md). Stock's bits.
 
     On a GPU it also points XLA at a persistent autotune cache, so that a later run at the same
     batch does not autotune again: under a tight memory budget the first step's autotuning
@@ -108,11 +116,12 @@ def enable_recompute(keep=KEEP_ARGMAX, activations=False, bn_relu=None, exact=No
     the Grappler route sees tf.keras models (docs/keras.md).
 
     Raises:
-      ValueError: `keep` is not "argmax" or "input", or `activations` (`bn_relu`) or `exact` is
-        not a bool.
+      ValueError: `keep` is not "argmax" or "input", `activations` (`bn_relu`) or `exact` is
+        not a bool, or `memory_budget` is not a number in [0, 1].
     """
-    _set(_state.check_keep(keep, allow_bool=True), _check_activations(activations, bn_relu),
-         _check_exact(exact))
+    budget = _check_memory_budget(memory_budget)
+    _set(_state.check_keep(keep, allow_bool=True),
+         _check_activations(activations, bn_relu) or budget < 1, _check_exact(exact), budget)
 
 
 def disable_recompute():
@@ -132,12 +141,12 @@ def recompute_enabled():
 
 
 @contextlib.contextmanager
-def recompute(keep=KEEP_ARGMAX, activations=False, bn_relu=None, exact=None):
+def recompute(keep=KEEP_ARGMAX, activations=False, bn_relu=None, exact=None, memory_budget=1):
     """Context manager: sets the switch for the duration of the block, then restores it.
 
     `keep` is "argmax" (default) or "input" to turn it on, None or False to turn it off
-    temporarily; `activations` (`bn_relu`) and `exact` as for `enable_recompute` (activations
-    only with the switch on). Affects what is traced inside the block:
+    temporarily; `activations` (`bn_relu`), `exact` and `memory_budget` as for
+    `enable_recompute` (activations and a budget below 1 only with the switch on). Affects what is traced inside the block:
 
     >>> with tf_relupool.recompute():            # fused, keeping 1-byte argmax codes
     ...     model.compile(...); model.fit(...)
@@ -153,7 +162,11 @@ def recompute(keep=KEEP_ARGMAX, activations=False, bn_relu=None, exact=None):
     if on and keep is None:
         name = "bn_relu" if bn_relu else "activations"
         raise ValueError(f"`{name}=True` needs the switch on; received keep=None")
-    previous = _set(keep, on, _check_exact(exact))
+    budget = _check_memory_budget(memory_budget)
+    if budget < 1 and keep is None:
+        raise ValueError(f"`memory_budget={memory_budget!r}` needs the switch on; received "
+                         "keep=None")
+    previous = _set(keep, on or budget < 1, _check_exact(exact), budget)
     try:
         yield keep
     finally:
@@ -185,14 +198,24 @@ def _check_exact(exact):
     return exact
 
 
-def _set(keep, activations=False, exact=True, at_import=False):
-    """Sets the switch's value (checked), its activation part and its `exact` part; returns the
-    previous three."""
+def _check_memory_budget(b):
+    import numbers
+    if isinstance(b, bool) or not isinstance(b, numbers.Real) or not 0 <= b <= 1:
+        raise ValueError("The `memory_budget` argument must be a number in [0, 1]. Received: "
+                         f"memory_budget={b!r}")
+    return float(b)
+
+
+def _set(keep, activations=False, exact=True, memory_budget=1.0, at_import=False):
+    """Sets the switch's value (checked), its activation, `exact` and memory-budget parts;
+    returns the previous four."""
     with _lock:
-        previous = (_state.mode(), _state.activations(), _state.exact())
+        previous = (_state.mode(), _state.activations(), _state.exact(),
+                    _state.memory_budget())
         _state.set_mode(keep)
         _state.set_activations(keep is not None and activations)
         _state.set_exact(exact)
+        _state.set_memory_budget(memory_budget if keep is not None else 1.0)
         _notify_routes(at_import)
     if keep is not None:
         _warn_legacy_keras()  # outside the lock: a warnings filter may make it raise
@@ -271,7 +294,7 @@ def _init_from_environment():
     except ValueError as e:
         warnings.warn(f"{e}; exact stays True", RuntimeWarning, stacklevel=2)
         exact = True
-    _set(mode, False, exact, at_import=True)
+    _set(mode, False, exact, at_import=True)  # memory budget 1
 
 
 _init_from_environment()

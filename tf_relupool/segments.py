@@ -81,7 +81,8 @@ class _Graphs:
     def of(self, graph):
         entry = self._by_graph.get(graph)
         if entry is None:
-            entry = self._by_graph[graph] = dict(bn={}, segments={}, ops=set())
+            entry = self._by_graph[graph] = dict(bn={}, bn_in={}, conv={}, segments={},
+                                                      ops=set(), held_roots=set())
         return entry
 
 
@@ -275,6 +276,7 @@ def _register_bn(z, y):
             and inv.dtype == z_in.dtype and shift.dtype == z_in.dtype):
         return
     _entry(y)["bn"][y.name] = (z_in, inv, shift)
+    _entry(y)["bn_in"][y.name] = z
 
 
 # ------------------------------------------------------------------------- sources
@@ -421,7 +423,8 @@ class Segment:
             if any(op.name not in ours and op.type not in segment_table.KEEP_NOTHING
                    for op in self.u.consumers()):
                 return "the gated tensor also feeds other ops"
-        elif self._other_consumers_of_u(entry):  # another segment's G too: stock sums their
+        elif self._other_consumers_of_u(entry):  # another
+            # another segment's G too: stock sums their
             # gradients at u, and XLA's fusion of that sum decides the bits
             return f"the {self.name} input feeds other ops"
         for t in self.skipped[:-1]:
@@ -564,6 +567,11 @@ def _activation_wrapper(row, original):
             if source is None and row.reads_input:
                 source = _identity_source(x)
             name = _relu_name(row, args, kwargs)
+            if source is not None and _state.memory_budget() < 1 and not row.reads_input:
+                from tf_relupool import conv_recompute  # it builds on this module
+                out = conv_recompute.block(_entry(x), x, stock, "conv+bn+" + name)
+                if out is not None:
+                    return out
             if source is not None:
                 seg = Segment(name, source, stock, _hold_g(row.name, row.hold))
                 out = _make_g(seg, x)
@@ -724,7 +732,10 @@ _EXTENDER_WRAPPERS = {"gate": _gate_wrapper, "zero_pad": _pad_wrapper}
 def _consumer_wrapper(row, original):
     @functools.wraps(original)
     def consumer(inputs, *args, **kwargs):
-        seg = _segment_of(inputs) if _active() and not _stock_call.active() else None
+        active = _active() and not _stock_call.active()
+        seg = _segment_of(inputs) if active else None
+        if active and _state.memory_budget() < 1 and row.name in _RECOMPUTABLE_CONVS:
+            return _registered_conv(seg, row, original, inputs, args, kwargs)
         if seg is not None:
             return _consume(seg, row, original, inputs, args, kwargs)
         return original(inputs, *args, **kwargs)
@@ -732,13 +743,46 @@ def _consumer_wrapper(row, original):
     return consumer
 
 
+_RECOMPUTABLE_CONVS = ("conv", "depthwise_conv")  # conv_recompute.CONVOLUTIONS' rows
+
+
+def _kernel_slots(args):
+    import tensorflow as tf
+    return [i for i, v in enumerate(args) if isinstance(v, (tf.Tensor, tf.Variable))
+            or hasattr(v, "value") and hasattr(v, "assign")]
+
+
+def _registered_conv(seg, row, original, inputs, args, kwargs):
+    """A convolution under a memory budget below 1: its kernels read once as tensors, its
+    output (stock's call, or C's where its input is a segment's) registered with how to
+    recompute it (conv_recompute.register)."""
+    import tensorflow as tf
+    slots = _kernel_slots(args)
+    full = list(args)
+    for i in slots:
+        full[i] = tf.convert_to_tensor(args[i])
+    kernels = [full[i] for i in slots]
+
+    def call(x, ws):
+        again = list(full)
+        for i, w in zip(slots, ws):
+            again[i] = w
+        with _stock_call:
+            return original(x, *again, **kwargs)
+    out = (_consume(seg, row, original, inputs, tuple(full), kwargs) if seg is not None
+           else original(inputs, *full, **kwargs))
+    if isinstance(out, tf.Tensor) and kernels:
+        from tf_relupool import conv_recompute
+        conv_recompute.register(_entry(out), out, inputs, kernels, call, row.name)
+    return out
+
+
 def _consume(seg, row, original, a, args, kwargs):
     """C: stock's `original(a, *args, **kwargs)`; the gradients of its tensor arguments from a
     recomputed `a` on the recompute route."""
     import tensorflow as tf
     # tensor arguments (kernels: variables read as tensors) travel through the custom gradient
-    slots = [i for i, v in enumerate(args) if isinstance(v, (tf.Tensor, tf.Variable))
-             or hasattr(v, "value") and hasattr(v, "assign")]
+    slots = _kernel_slots(args)
     if not slots:
         return original(a, *args, **kwargs)
     ws = [tf.convert_to_tensor(args[i]) for i in slots]
@@ -803,8 +847,11 @@ def _xla_barrier():
 
 def _small(roots, full):
     """The indices of the roots smaller than the tensor `full` (BN's per-channel inv and shift,
-    a gate): _hold leaves them free."""
-    return {i for i, t in enumerate(roots) if t.shape.num_elements() < full.shape.num_elements()}
+    a gate): _hold leaves them free. Not those a block recomputes a convolution from
+    (conv_recompute: entry["held_roots"]), which must be held whatever their size."""
+    held = _entry(full)["held_roots"]
+    return {i for i, t in enumerate(roots)
+            if t.shape.num_elements() < full.shape.num_elements() and t.name not in held}
 
 
 def _hold(ts, dys, free=()):

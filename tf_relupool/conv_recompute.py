@@ -1,0 +1,193 @@
+"""Convolutions recomputed in the backward pass under XLA: `enable_recompute(memory_budget=b)`.
+
+A *block* is a convolution's output z read by a training BatchNormalization alone, whose output
+is read by one activation of segment_table.ACTIVATIONS alone: conv -> BN -> activation, the unit
+of MobileNet's and EfficientNet's blocks and of ResNet's bottlenecks' first two convolutions.
+Stock keeps z (BN's gradient reads it) and the activation's output a (the next convolution's
+kernel gradient reads it); `activations=True` (segments.py) gives a back; a block gives z back
+too, recomputing it from the convolution's input x, which its own kernel gradient keeps anyway.
+
+The mechanism is segments.py's: the block is one of its segments (a G), whose input u is z and
+whose op is BN's traced ops replayed on u (replay.py: stock's op types, attributes and order;
+the moving statistics stay the forward's, updated once by stock's call) followed by the
+activation's stock call; BN's per-channel inputs (gamma, beta) are the segment's extra inputs,
+so their gradients are its own. Its source is a `Choice`: z recomputed by the convolution's
+stock call on x (recursively: x may be another segment's output, so that a chain of blocks is
+recomputed from the first block's input), or z itself where the plan keeps it. The next
+convolution (a C of segments.py) recomputes a the same way.
+
+What to recompute is recompute_plan's decision, made once per traced graph when the first block
+gradient is traced (every block is known then): candidates are each block's a (elementwise, its
+bytes) and z (the convolution's FLOPs, its bytes), within `memory_budget` of their bytes.
+
+Exactness: the backward of a block reads one recomputed z for BN's and the activation's
+gradients together, in the order stock's tape sums them (replay.py), so XLA fuses them as it
+does stock's (a recomputed z read by BN's gradient beside the forward's z read by the
+activation's gave other bits on the CPU's AVX-512 code).
+"""
+import collections
+import math
+import weakref
+
+from tf_relupool import _state, recompute_plan, replay, segments
+
+#: Keras backend functions (segment_table.CONSUMERS' names) whose output may start a block, with
+#: the COSTS row of their recomputation
+CONVOLUTIONS = {"conv": "conv", "depthwise_conv": "depthwise_conv"}
+
+Conv = collections.namedtuple("Conv", "x kernels call kind")
+Conv.__doc__ = """A traced convolution output: its input x, its kernels (tensors), `call(x,
+kernels)` (the stock call again) and its COSTS kind."""
+
+
+def register(entry, output, x, kernels, call, row_name):
+    """Records a convolution's output (segments' consumer hook, under a budget below 1)."""
+    kind = CONVOLUTIONS.get(row_name)
+    if kind is not None and getattr(output, "shape", None) is not None:
+        entry["conv"][output.name] = Conv(x, list(kernels), call, kind)
+
+
+def _flops(conv, z):
+    shape = conv.kernels[0].shape
+    kernel_elements = math.prod(int(d) for d in shape[:-2])
+    if conv.kind == "depthwise_conv":
+        return recompute_plan.flops("depthwise_conv", z.shape.num_elements(),
+                                    kernel_elements=kernel_elements)
+    return recompute_plan.flops("conv", z.shape.num_elements(), kernel_elements=kernel_elements,
+                                in_channels=int(shape[-2]))
+
+
+def block(entry, u, stock_activation, name):
+    """The output of a block's segment for the activation `stock_activation` (stock's call) of
+    the registered BN output u, or None where u is not a block's (its BN input is no registered
+    convolution output, or BN's ops are not replayable)."""
+    z = entry["bn_in"].get(u.name)
+    conv = None if z is None else entry["conv"].get(z.name)
+    if conv is None or not z.shape.is_fully_defined() or z.dtype != u.dtype:
+        return None
+    ops = replay.between(z, u)
+    if not ops or any(op.type.startswith("Assign") or op.op_def.is_stateful for op in ops):
+        return None
+    free = replay.outside_inputs(ops, z)
+    if any(t.shape.num_elements() is None or t.shape.num_elements() >= z.shape.num_elements()
+           for t in free):
+        return None  # only per-channel tensors (gamma, beta) besides z
+
+    def op(v, *extra):
+        subs = {z.name: v}
+        subs.update((t.name, e) for t, e in zip(free, extra))
+        return stock_activation(replay.apply(ops, subs)[u.name])
+
+    source = Choice(z, conv, u)
+    # the convolution's input and the roots it is recomputed from: held by every backward that
+    # recomputes from them, else XLA merges the recomputation with the forward's (and keeps z)
+    entry["held_roots"].update(t.name for t in source.roots[:source._n])
+    seg = Block(name, source, op, extra=free)
+    seg.bn_ops = {o.name for o in ops}
+    seg.bn_output = u
+    out = segments._make_g(seg, z)
+    seg.ops |= seg.bn_ops
+    return out
+
+
+class Choice:
+    """A block's Source (segments.Source's interface): roots are the convolution input's roots,
+    its kernels and z; value() recomputes z from the first two where the plan says so, and
+    reads z otherwise."""
+
+    def __init__(self, z, conv, u):
+        before = segments._segment_of(conv.x)
+        self._input = before.as_source() if before is not None else segments.Source(
+            [conv.x], lambda ts: ts[0], ())
+        self.z, self.conv = z, conv
+        self._n = len(self._input.roots)
+        self.roots = self._input.roots + conv.kernels + [z]
+        self.skipped = self._input.skipped + (u,)
+        self.shortcut = self._input.shortcut
+        self.segment = None  # set by Block
+        self._cache = weakref.WeakKeyDictionary()  # graph -> recomputed z
+
+    def value(self, ts):
+        """z from the roots `ts`: the convolution recomputed once per graph being built (the
+        first backward to ask, the latest layer's, computes it from its held roots; the block's
+        other readers share it, as stock's backward reads one z), or ts' z where it is kept."""
+        if not recomputes_conv(self.segment):
+            return ts[-1]
+        return _once(self._cache, lambda: self.conv.call(
+            self._input.value(ts[:self._n]), ts[self._n:self._n + len(self.conv.kernels)]))
+
+
+class Block(segments.Segment):
+    """A block's segment: segments.Segment, held where it recomputes the convolution (so that
+    XLA cannot merge the recomputation with the forward's)."""
+
+    def __init__(self, name, source, op, extra):
+        super().__init__(name, source, op, True, extra=extra)
+        source.segment = self
+        self.bn_ops = set()
+        self.bn_output = None
+        self._cache = weakref.WeakKeyDictionary()  # graph -> recomputed output
+
+    def held(self):
+        return recomputes_conv(self)
+
+    def value(self, ts):
+        """The block's output recomputed from the roots `ts`, once per graph being built where
+        the plan recomputes the convolution (Choice.value)."""
+        if not recomputes_conv(self):
+            return super().value(ts)
+        return _once(self._cache, lambda: super(Block, self).value(ts))
+
+    def stock_reason(self):
+        reason = super().stock_reason()
+        if reason is not None:
+            return reason
+        ours = self._ours()
+        if any(op.name not in ours for op in self.bn_output.consumers()):
+            return "the BatchNormalization output also feeds other ops"
+        return None
+
+    def _other_consumers_of_u(self, entry):
+        """z's readers besides BN's and the segments' own ops: a later block passes z to its
+        G and C as a root (they return no gradient for it)."""
+        return {op.name for op in self.u.consumers()} - self.ops - entry["ops"]
+
+    def _ours(self):
+        return segments._entry(self.output)["ops"] | self.ops
+
+
+def _once(cache, compute):
+    """compute() the first time in the graph being built, its result from `cache` after."""
+    import tensorflow as tf
+    graph = tf.compat.v1.get_default_graph()
+    if graph not in cache:
+        cache[graph] = compute()
+    return cache[graph]
+
+
+def recomputes_conv(seg):
+    """Whether the plan of seg's graph recomputes its convolution (the block's z)."""
+    if seg is None or not isinstance(seg, Block):
+        return False
+    entry = segments._entry(seg.output)
+    plan = entry.get("conv_plan")
+    if plan is None:
+        plan = entry["conv_plan"] = _plan(entry)
+    return seg.output.name in plan
+
+
+def _plan(entry):
+    """{block output names whose z is recomputed} under the budget, over every block of the
+    graph: candidates a (elementwise) and z (the convolution) per block."""
+    blocks = [s for s in entry["segments"].values() if isinstance(s, Block)]
+    candidates = []
+    for seg in blocks:
+        z, a = seg.source.z, seg.output
+        candidates.append(recompute_plan.Candidate(
+            "a:" + a.name, a.shape.num_elements() * a.dtype.size,
+            recompute_plan.flops("elementwise", a.shape.num_elements()), ()))
+        candidates.append(recompute_plan.Candidate(
+            "z:" + a.name, z.shape.num_elements() * z.dtype.size, _flops(seg.source.conv, z),
+            ()))
+    chosen = recompute_plan.plan(candidates, _state.memory_budget()).recompute
+    return {c[2:] for c in chosen if c.startswith("z:")}
