@@ -94,6 +94,10 @@ VARIANTS = {
     "default-remat": {"keep": None, "switch": None, "jit": "auto", "remat": True},
     "default-switch-bn": {"keep": None, "switch": "argmax", "jit": "auto", "bn_relu": True},
     "default-switch-act": {"keep": None, "switch": "argmax", "jit": "auto", "activations": True},
+    "default-switch-b50": {"keep": None, "switch": "argmax", "jit": "auto", "memory_budget": 0.5},
+    "default-switch-b25": {"keep": None, "switch": "argmax", "jit": "auto",
+                           "memory_budget": 0.25},
+    "default-switch-b0": {"keep": None, "switch": "argmax", "jit": "auto", "memory_budget": 0},
 }
 VARIANT_LABELS = {"stock": "stock", "argmax": "fused argmax", "input": "fused input",
                   "switch": "stock + enable_recompute()",
@@ -104,7 +108,13 @@ VARIANT_LABELS = {"stock": "stock", "argmax": "fused argmax", "input": "fused in
                   "default-switch-bn": "stock + enable_recompute(bn_relu=True), Keras default "
                                        "compile",
                   "default-switch-act": "stock + enable_recompute(activations=True), Keras "
-                                        "default compile"}
+                                        "default compile",
+                  "default-switch-b50": "stock + enable_recompute(memory_budget=0.5), Keras "
+                                        "default compile",
+                  "default-switch-b25": "stock + enable_recompute(memory_budget=0.25), Keras "
+                                        "default compile",
+                  "default-switch-b0": "stock + enable_recompute(memory_budget=0), Keras "
+                                       "default compile"}
 SWITCHED = {v: spec["switch"] for v, spec in VARIANTS.items() if spec["switch"]}
 
 
@@ -165,7 +175,8 @@ def train_step(model, x, y, variant="stock"):
     import tf_relupool
     spec = VARIANTS[variant]
     with tf_relupool.recompute(keep, activations=spec.get("activations", False),
-                               bn_relu=spec.get("bn_relu", False)):
+                               bn_relu=spec.get("bn_relu", False),
+                               memory_budget=spec.get("memory_budget", 1)):
         return float(model.train_on_batch(x, y))
 
 

@@ -1,10 +1,13 @@
 """Where the activation recomputation's step time and peak go, for one keras.applications model
-at Keras' default compile: stock and `enable_recompute(activations=True)` trained side by side in
-one process, their steps interleaved, plus what XLA compiled for each.
+at Keras' default compile: stock and `enable_recompute(activations=True)` (and, with
+`--variants`, memory budgets) trained side by side in one process, their steps interleaved, plus
+what XLA compiled for each.
 
     python benchmarks/segments_step_time.py MobileNetV2 --batch 32 --rounds 15 --dump /tmp/d
     python benchmarks/segments_step_time.py --analyze /tmp/d     # no TensorFlow needed
 
+Steady peak (on a GPU): one step of each variant after three warm ones, the allocator's peak
+above what is in use before it (every variant's weights and optimizer state are resident).
 Step time: `--rounds` rounds of `--steps` `train_on_batch` calls per variant, the variants
 alternating within each round; the median of the per-round means, and the median of the
 per-round ratios. With `--dump` XLA's optimized HLO and buffer assignments are written there
@@ -206,6 +209,9 @@ def main(argv=None):
     p.add_argument("--jit", action="store_true",
                    help="compile(jit_compile=True): XLA on the CPU too (Keras' default is XLA on "
                    "a GPU only)")
+    p.add_argument("--variants", default="stock,act",
+                   help="comma-separated: stock, act (activations=True), bNN "
+                        "(memory_budget=NN/100); default stock,act")
     p.add_argument("--dump", help="write XLA's dumps here (one folder per variant)")
     p.add_argument("--analyze", metavar="DUMP", help="only read back a --dump folder")
     args = p.parse_args(argv)
@@ -222,9 +228,15 @@ def main(argv=None):
     y = tf.random.stateless_uniform((args.batch,), seed=[1, 1], minval=0, maxval=1000,
                                     dtype=tf.int32)
     models, first = {}, {}
-    for variant in ("stock", "act"):
+    variants = args.variants.split(",")
+    if variants[0] != "stock" or not all(v in ("stock", "act") or re.fullmatch(r"b\d+", v)
+                                         for v in variants):
+        p.error(f"argument --variants: stock first, then act or bNN; got {args.variants!r}")
+    for variant in variants:
         if variant == "act":
             tf_relupool.enable_recompute(activations=True)
+        elif variant.startswith("b"):
+            tf_relupool.enable_recompute(memory_budget=int(variant[1:]) / 100)
         keras.utils.set_random_seed(0)
         model = getattr(keras.applications, args.model)(
             weights=None, input_shape=(args.size,) * 2 + (3,), classes=1000,
@@ -242,9 +254,17 @@ def main(argv=None):
                     os.replace(os.path.join(args.dump, f), os.path.join(args.dump, variant, f))
         models[variant] = model
     stats = segments.stats()
-    for model in models.values():   # warm both before timing
+    gpu = bool(tf.config.list_logical_devices("GPU"))
+    peaks = {}
+    for variant, model in models.items():   # warm every variant before timing
         for _ in range(3):
             float(model.train_on_batch(x, y))
+        if gpu:  # the steady step's peak above what is resident (every variant's weights)
+            tf.config.experimental.reset_memory_stats("GPU:0")
+            before = tf.config.experimental.get_memory_info("GPU:0")["current"]
+            float(model.train_on_batch(x, y))
+            peaks[variant] = round(
+                (tf.config.experimental.get_memory_info("GPU:0")["peak"] - before) / 2**20, 1)
     means = collections.defaultdict(list)
     for r in range(args.rounds):
         order = list(models) if r % 2 == 0 else list(models)[::-1]
@@ -254,13 +274,16 @@ def main(argv=None):
                 loss = models[variant].train_on_batch(x, y)
             float(loss)
             means[variant].append((time.perf_counter() - t0) / args.steps * 1000)
-    ratios = [s / a for s, a in zip(means["stock"], means["act"])]
+    speed, quartiles = {}, {}
+    for v in variants[1:]:
+        ratios = [s / a for s, a in zip(means["stock"], means[v])]
+        speed[v] = round(statistics.median(ratios), 3)
+        quartiles[v] = [round(q, 3) for q in statistics.quantiles(ratios, n=4)]
     print("RESULT " + json.dumps(dict(
         model=args.model, batch=args.batch, size=args.size, rounds=args.rounds,
         steps=args.steps, first_s=first,
         step_ms={v: round(statistics.median(m), 2) for v, m in means.items()},
-        speed_act_vs_stock=round(statistics.median(ratios), 3),
-        speed_quartiles=[round(q, 3) for q in statistics.quantiles(ratios, n=4)],
+        speed_vs_stock=speed, speed_quartiles=quartiles, steady_peak_mib=peaks,
         stats=stats)))
     if args.dump:
         analyze(args.dump)

@@ -1,7 +1,7 @@
 """Convolutions recomputed in the backward pass under XLA: `enable_recompute(memory_budget=b)`.
 
-A *block* is a convolution's output z read by a training BatchNormalization alone, whose output
-is read by one activation of segment_table.ACTIVATIONS alone: conv -> BN -> activation, the unit
+A *block* is a convolution's output z (or z plus a bias) read by a training BatchNormalization
+alone, whose output is read by one activation of segment_table.ACTIVATIONS alone: conv -> BN -> activation, the unit
 of MobileNet's and EfficientNet's blocks and of ResNet's bottlenecks' first two convolutions.
 Stock keeps z (BN's gradient reads it) and the activation's output a (the next convolution's
 kernel gradient reads it); `activations=True` (segments.py) gives a back; a block gives z back
@@ -61,7 +61,7 @@ def block(entry, u, stock_activation, name):
     """The output of a block's segment for the activation `stock_activation` (stock's call) of
     the registered BN output u, or None where u is not a block's (its BN input is no registered
     convolution output, or BN's ops are not replayable)."""
-    z = entry["bn_in"].get(u.name)
+    z = _conv_output(entry, entry["bn_in"].get(u.name))
     conv = None if z is None else entry["conv"].get(z.name)
     if conv is None or not z.shape.is_fully_defined() or z.dtype != u.dtype:
         return None
@@ -88,6 +88,24 @@ def block(entry, u, stock_activation, name):
     out = segments._make_g(seg, z)
     seg.ops |= seg.bn_ops
     return out
+
+
+_BIAS_ADDS = ("BiasAdd", "AddV2", "Add")
+
+
+def _conv_output(entry, t):
+    """The registered convolution output that `t` (BN's input) is, or is a bias add of (Keras'
+    Conv2D(use_bias=True): the add is replayed with BN's ops, the bias one of their per-channel
+    inputs), else None."""
+    if t is None or t.name in entry["conv"]:
+        return t
+    op = t.op
+    if op.type in _BIAS_ADDS and len(op.inputs) == 2:
+        c, bias = op.inputs
+        if (c.name in entry["conv"] and c.shape == t.shape and bias.shape.num_elements()
+                is not None and bias.shape.num_elements() < t.shape.num_elements()):
+            return c
+    return None
 
 
 class Choice:
@@ -146,6 +164,12 @@ class Block(segments.Segment):
         if any(op.name not in ours for op in self.bn_output.consumers()):
             return "the BatchNormalization output also feeds other ops"
         return None
+
+    def _chain_skipped(self):
+        """None: the convolution input's chain is its own segment's (which says its own route;
+        recomputing from its roots gives its values either way); the block's BN output is
+        checked by stock_reason."""
+        return ()
 
     def _other_consumers_of_u(self, entry):
         """z's readers besides BN's and the segments' own ops: a later block passes z to its

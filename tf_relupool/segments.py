@@ -408,6 +408,11 @@ class Segment:
         c_ops = entry["ops"] - g_ops
         return {op.name for op in self.u.consumers()} - self.ops - c_ops
 
+    def _chain_skipped(self):
+        """The skipped tensors inside this segment's chain whose other readers send it to
+        stock's route."""
+        return self.skipped[:-1]
+
     def stock_reason(self):
         """Why this segment's gradient must be stock's (module doc), or None. Asked by G and by
         every C of the segment: on stock's route neither recomputes, and XLA compiles stock's
@@ -427,7 +432,7 @@ class Segment:
             # another segment's G too: stock sums their
             # gradients at u, and XLA's fusion of that sum decides the bits
             return f"the {self.name} input feeds other ops"
-        for t in self.skipped[:-1]:
+        for t in self._chain_skipped():
             if t.name in entry["bn"] and any(op.name != self.u.op.name and op.name not in ours
                                              for op in t.consumers()):
                 return "a BN output feeds other ops"
