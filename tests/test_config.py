@@ -74,6 +74,27 @@ def test_exact_argument_environment_default_and_restore(monkeypatch):
             tf_relupool.enable_recompute(exact=bad)
 
 
+def test_memory_budget_argument():
+    """`memory_budget`: a number in [0, 1] (ValueError naming it otherwise); below 1 it turns
+    the activation part on; recompute() restores it, and needs the switch on below 1."""
+    assert _state.memory_budget() == 1
+    tf_relupool.enable_recompute(memory_budget=0.25)
+    assert _state.memory_budget() == 0.25 and _state.activations() is True
+    with tf_relupool.recompute(memory_budget=0):
+        assert _state.memory_budget() == 0
+    assert _state.memory_budget() == 0.25
+    tf_relupool.enable_recompute()
+    assert _state.memory_budget() == 1 and _state.activations() is False
+    for bad in (-0.1, 1.5, "0", True, float("nan"), None):
+        with pytest.raises(ValueError, match="`memory_budget`"):
+            tf_relupool.enable_recompute(memory_budget=bad)
+    with pytest.raises(ValueError, match="needs the switch on"):
+        with tf_relupool.recompute(None, memory_budget=0):
+            pass
+    tf_relupool.disable_recompute()
+    assert _state.memory_budget() == 1
+
+
 def test_context_manager_sets_and_restores_even_on_error():
     with tf_relupool.recompute() as mode:
         assert mode == "argmax" and tf_relupool.recompute_mode() == "argmax"

@@ -323,3 +323,44 @@ def test_activations_flag_recomputes_under_xla(tmp_path):
     assert "XLA temp buffer MiB" in proc.stdout
     assert switch["segments"]["by_activation"].get("relu6") == switch["segments"]["segments"]
     assert "enable_recompute(activations=True)" in proc.stdout
+
+
+def test_memory_budget_lists_one_switch_variant_per_budget(tmp_path):
+    """--memory-budget 1,0: one switch variant per budget after stock, in that order, each
+    trial run under enable_recompute(memory_budget=b): at 0 the block's convolution is
+    recomputed (the JSON counts a conv+bn block), each has XLA's temp buffer (the saving itself
+    is test_conv_recompute's, on MobileNetV2), the table names each budget and --plot draws the
+    trade; a budget outside [0, 1] is a usage error naming the option."""
+    import keras
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([
+        keras.Input((16, 16, 3)),
+        keras.layers.Conv2D(8, 3, padding="same", use_bias=False),
+        keras.layers.BatchNormalization(),
+        keras.layers.ReLU(6.0),
+        keras.layers.Conv2D(8, 3, padding="same"),
+        keras.layers.GlobalAveragePooling2D(),
+        keras.layers.Dense(10),
+    ])
+    path = tmp_path / "bn.keras"
+    model.save(path)
+    out_json, out_png = tmp_path / "m.json", tmp_path / "m.png"
+    proc = subprocess.run(
+        [sys.executable, "-m", "tf_relupool.measure", str(path), "--batch-size", "4", "--steps",
+         "2", "--jit-compile", "true", "--memory-budget", "1,0", "--json", str(out_json),
+         "--plot", str(out_png), "--quiet"],
+        capture_output=True, text=True, env=_env(), timeout=600, cwd=str(tmp_path))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(out_json.read_text())
+    assert report["order"] == ["stock", "switch@1", "switch@0"]
+    v = report["variants"]
+    assert v["switch@0"]["segments"]["by_activation"].get("conv+bn+relu6") == 1, v["switch@0"]
+    assert "segments" not in v["switch@1"]  # budget 1 with no --activations: the switch alone
+    assert all(v[k]["xla_temp_bytes"] > 0 for k in report["order"]), v
+    assert "enable_recompute(memory_budget=0)" in proc.stdout
+    assert "enable_recompute(memory_budget=1)" in proc.stdout
+    assert out_png.stat().st_size > 0
+    bad = subprocess.run([sys.executable, "-m", "tf_relupool.measure", str(path),
+                          "--memory-budget", "1,1.5"],
+                         capture_output=True, text=True, env=_env(), timeout=120)
+    assert bad.returncode == 2 and "--memory-budget" in bad.stderr, bad.stderr[-2000:]

@@ -83,6 +83,8 @@ CALLS = {
     "enable_recompute(keep='input')": _switch_then_gradient(keep="input"),
     "enable_recompute(activations=True)": _switch_then_gradient(activations=True),
     "enable_recompute(bn_relu=True)": _switch_then_gradient(bn_relu=True),
+    "enable_recompute(exact=False)": _switch_then_gradient(exact=False),
+    "enable_recompute(memory_budget=0)": _switch_then_gradient(memory_budget=0),
     "recompute(activations=True)": lambda model: _in_context(model),
     "disable_recompute()": lambda model: (tf_relupool.enable_recompute(activations=True),
                                           tf_relupool.disable_recompute()),

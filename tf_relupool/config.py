@@ -119,7 +119,7 @@ def enable_recompute(keep=KEEP_ARGMAX, activations=False, bn_relu=None, exact=No
       ValueError: `keep` is not "argmax" or "input", `activations` (`bn_relu`) or `exact` is
         not a bool, or `memory_budget` is not a number in [0, 1].
     """
-    budget = _check_memory_budget(memory_budget)
+    budget = check_memory_budget(memory_budget)
     _set(_state.check_keep(keep, allow_bool=True),
          _check_activations(activations, bn_relu) or budget < 1, _check_exact(exact), budget)
 
@@ -146,7 +146,8 @@ def recompute(keep=KEEP_ARGMAX, activations=False, bn_relu=None, exact=None, mem
 
     `keep` is "argmax" (default) or "input" to turn it on, None or False to turn it off
     temporarily; `activations` (`bn_relu`), `exact` and `memory_budget` as for
-    `enable_recompute` (activations and a budget below 1 only with the switch on). Affects what is traced inside the block:
+    `enable_recompute` (activations and a budget below 1 only with the switch on). Affects what
+    is traced inside the block:
 
     >>> with tf_relupool.recompute():            # fused, keeping 1-byte argmax codes
     ...     model.compile(...); model.fit(...)
@@ -162,7 +163,7 @@ def recompute(keep=KEEP_ARGMAX, activations=False, bn_relu=None, exact=None, mem
     if on and keep is None:
         name = "bn_relu" if bn_relu else "activations"
         raise ValueError(f"`{name}=True` needs the switch on; received keep=None")
-    budget = _check_memory_budget(memory_budget)
+    budget = check_memory_budget(memory_budget)
     if budget < 1 and keep is None:
         raise ValueError(f"`memory_budget={memory_budget!r}` needs the switch on; received "
                          "keep=None")
@@ -198,7 +199,9 @@ def _check_exact(exact):
     return exact
 
 
-def _check_memory_budget(b):
+def check_memory_budget(b):
+    """`b` as a float where it is a number in [0, 1] (not a bool), else ValueError naming
+    `memory_budget`."""
     import numbers
     if isinstance(b, bool) or not isinstance(b, numbers.Real) or not 0 <= b <= 1:
         raise ValueError("The `memory_budget` argument must be a number in [0, 1]. Received: "

@@ -1,20 +1,24 @@
 """Convolutions recomputed in the backward pass under XLA: `enable_recompute(memory_budget=b)`.
 
 A *block* is a convolution's output z (or z plus a bias) read by a training BatchNormalization
-alone, whose output is read by one activation of segment_table.ACTIVATIONS alone: conv -> BN -> activation, the unit
-of MobileNet's and EfficientNet's blocks and of ResNet's bottlenecks' first two convolutions.
+alone, whose output is read by one activation of segment_table.ACTIVATIONS (and on stock's
+route by other ops too): conv -> BN -> activation, the unit of MobileNet's and EfficientNet's
+blocks and of ResNet's bottlenecks' first two convolutions.
 Stock keeps z (BN's gradient reads it) and the activation's output a (the next convolution's
 kernel gradient reads it); `activations=True` (segments.py) gives a back; a block gives z back
 too, recomputing it from the convolution's input x, which its own kernel gradient keeps anyway.
 
-The mechanism is segments.py's: the block is one of its segments (a G), whose input u is z and
-whose op is BN's traced ops replayed on u (replay.py: stock's op types, attributes and order;
-the moving statistics stay the forward's, updated once by stock's call) followed by the
-activation's stock call; BN's per-channel inputs (gamma, beta) are the segment's extra inputs,
-so their gradients are its own. Its source is a `Choice`: z recomputed by the convolution's
-stock call on x (recursively: x may be another segment's output, so that a chain of blocks is
-recomputed from the first block's input), or z itself where the plan keeps it. The next
-convolution (a C of segments.py) recomputes a the same way.
+The mechanism is segments.py's: the block is one of its segments (a G) whose input u is z.
+Its forward is stock's: the activation's stock call on BN's own output, a side input of G, so
+that on stock's route the activation's gradient goes to stock's BN ops and is summed there with
+any other reader's, as stock sums it. Its recomputation (the segment's `again`) is BN's traced
+ops replayed on a recomputed z (replay.py: stock's op types, attributes and order; the moving
+statistics stay the forward's, updated once by stock's call), then the activation; BN's
+per-channel inputs (gamma, beta, a bias) are the segment's extra inputs, so their gradients are
+its own. Its source is a `Choice`: z recomputed by the convolution's stock call on x
+(recursively: x may be another segment's output, so that a chain of blocks is recomputed from
+the first block's input), or z itself where the plan keeps it. The next convolution (a C of
+segments.py) recomputes the activation the same way.
 
 What to recompute is recompute_plan's decision, made once per traced graph when the first block
 gradient is traced (every block is known then): candidates are each block's a (elementwise, its
@@ -57,10 +61,13 @@ def _flops(conv, z):
                                 in_channels=int(shape[-2]))
 
 
-def block(entry, u, stock_activation, name):
+def block(entry, u, stock_activation, name, plain, plain_hold):
     """The output of a block's segment for the activation `stock_activation` (stock's call) of
     the registered BN output u, or None where u is not a block's (its BN input is no registered
-    convolution output, or BN's ops are not replayable)."""
+    convolution output, or BN's ops are not replayable). `plain` is the segments.Source of u
+    (BN's input, inv and shift) and `plain_hold` the activation's hold: where the plan keeps z,
+    the block recomputes u from them, as `activations=True`'s segment does."""
+    import tensorflow as tf
     z = _conv_output(entry, entry["bn_in"].get(u.name))
     conv = None if z is None else entry["conv"].get(z.name)
     if conv is None or not z.shape.is_fully_defined() or z.dtype != u.dtype:
@@ -73,19 +80,31 @@ def block(entry, u, stock_activation, name):
            for t in free):
         return None  # only per-channel tensors (gamma, beta) besides z
 
-    def op(v, *extra):
+    def op(v, *extra_and_u):
+        """The forward: stock's activation of BN's own output u (G's side input), so that on
+        stock's route u's gradient goes to stock's BN ops, summed there with any other
+        reader's as stock sums it."""
+        return stock_activation(extra_and_u[-1])
+
+    def again(v, *extra):
+        """The recomputation: BN's ops replayed on v (a recomputed z), then the activation."""
         subs = {z.name: v}
         subs.update((t.name, e) for t, e in zip(free, extra))
         return stock_activation(replay.apply(ops, subs)[u.name])
 
-    source = Choice(z, conv, u)
+    source = Choice(z, conv, u, plain)
+    seg = Block(name, source, op, extra=free, side=[u], again=again, hold=plain_hold,
+                activation=stock_activation)
     # the convolution's input and the roots it is recomputed from: held by every backward that
-    # recomputes from them, else XLA merges the recomputation with the forward's (and keeps z)
-    entry["held_roots"].update(t.name for t in source.roots[:source._n])
-    seg = Block(name, source, op, extra=free)
+    # reads them where the plan recomputes the convolution, else XLA merges the recomputation
+    # with the forward's (and keeps z); an eager tensor the traced function captures (a
+    # constant input) is no graph's
+    for t in source.roots[:source.n_input_roots]:
+        if tf.is_symbolic_tensor(t):
+            entry["held_roots"].setdefault(t.name, []).append(seg)
     seg.bn_ops = {o.name for o in ops}
     seg.bn_output = u
-    out = segments._make_g(seg, z)
+    out = segments.segment_output(seg, z)
     seg.ops |= seg.bn_ops
     return out
 
@@ -110,60 +129,84 @@ def _conv_output(entry, t):
 
 class Choice:
     """A block's Source (segments.Source's interface): roots are the convolution input's roots,
-    its kernels and z; value() recomputes z from the first two where the plan says so, and
-    reads z otherwise."""
+    its kernels and the roots of u's own source (`plain`: BN's input, inv and shift); value()
+    recomputes z from the first two (the block uses the last where the plan keeps z)."""
 
-    def __init__(self, z, conv, u):
-        before = segments._segment_of(conv.x)
+    def __init__(self, z, conv, u, plain):
+        before = segments.segment_of(conv.x)
         self._input = before.as_source() if before is not None else segments.Source(
             [conv.x], lambda ts: ts[0], ())
-        self.z, self.conv = z, conv
-        self._n = len(self._input.roots)
-        self.roots = self._input.roots + conv.kernels + [z]
+        self.z, self.conv, self.plain = z, conv, plain
+        self.n_input_roots = len(self._input.roots)
+        start = self.n_input_roots + len(conv.kernels)
+        self.plain_roots = slice(start, start + len(plain.roots))
+        self.roots = self._input.roots + conv.kernels + list(plain.roots)
         self.skipped = self._input.skipped + (u,)
         self.shortcut = self._input.shortcut
         self.segment = None  # set by Block
         self._cache = weakref.WeakKeyDictionary()  # graph -> recomputed z
 
     def value(self, ts):
-        """z from the roots `ts`: the convolution recomputed once per graph being built (the
-        first backward to ask, the latest layer's, computes it from its held roots; the block's
-        other readers share it, as stock's backward reads one z), or ts' z where it is kept."""
-        if not recomputes_conv(self.segment):
-            return ts[-1]
+        """z recomputed from the roots `ts`, once per graph being built (the first backward to
+        ask, the latest layer's, computes it from its held roots; the block's other readers
+        share it, as stock's backward reads one z)."""
+        n, k = self.n_input_roots, len(self.conv.kernels)
         return _once(self._cache, lambda: self.conv.call(
-            self._input.value(ts[:self._n]), ts[self._n:self._n + len(self.conv.kernels)]))
+            self._input.value(ts[:n]), ts[n:n + k]))
 
 
 class Block(segments.Segment):
-    """A block's segment: segments.Segment, held where it recomputes the convolution (so that
-    XLA cannot merge the recomputation with the forward's)."""
+    """A block's segment: segments.Segment whose recomputation, where the plan recomputes the
+    convolution, starts at the convolution's input behind the barrier, and otherwise at u's own
+    source, as `activations=True`'s segment of u does (its hold, its gradient to u)."""
 
-    def __init__(self, name, source, op, extra):
-        super().__init__(name, source, op, True, extra=extra)
+    def __init__(self, name, source, op, extra, side, again, hold, activation):
+        super().__init__(name, source, op, hold, extra=extra, side=side, again=again)
         source.segment = self
+        self.activation = activation
         self.bn_ops = set()
         self.bn_output = None
         self._cache = weakref.WeakKeyDictionary()  # graph -> recomputed output
 
-    def held(self):
+    def recomputes_convolution(self):
+        """Whether the plan of the block's graph recomputes its convolution."""
         return recomputes_conv(self)
 
+    def held(self):
+        return recomputes_conv(self) or super().held()
+
     def value(self, ts):
-        """The block's output recomputed from the roots `ts`, once per graph being built where
-        the plan recomputes the convolution (Choice.value)."""
+        """The block's output recomputed from the roots `ts`: from the recomputed z, once per
+        graph being built, where the plan recomputes the convolution; else from u's source."""
         if not recomputes_conv(self):
-            return super().value(ts)
+            return self.activation(self.source.plain.value(ts[self.source.plain_roots]))
         return _once(self._cache, lambda: super(Block, self).value(ts))
 
+    def recomputed_gradients(self, roots, u_in, extra, n_side, da):
+        """segments.Segment's where the plan recomputes z (the gradient goes to z, BN's replayed
+        gradient included); else the gradient of the activation recomputed from u's source goes
+        to u (the side input), and stock's BN ops take it from there."""
+        if recomputes_conv(self):
+            return super().recomputed_gradients(roots, u_in, extra, n_side, da)
+        import tensorflow as tf
+        plain = roots[self.source.plain_roots]
+        if super().held():
+            free = segments.small_roots(plain, self.bn_output)
+            plain = segments.hold(plain, [da], free=free)[0]
+        with tf.GradientTape() as tape:
+            u2 = self.source.plain.value(plain)
+            tape.watch(u2)
+            a2 = self.activation(u2)
+        du = tape.gradient(a2, u2, output_gradients=da)
+        return [None] * (1 + len(extra)) + [du] + [None] * (n_side - 1)
+
     def stock_reason(self):
-        reason = super().stock_reason()
-        if reason is not None:
-            return reason
+        """segments.Segment's reasons, after the block's own: its BN output read by another op
+        (whose gradient, stock's, then reads z beside the block's)."""
         ours = self._ours()
         if any(op.name not in ours for op in self.bn_output.consumers()):
             return "the BatchNormalization output also feeds other ops"
-        return None
+        return super().stock_reason()
 
     def _chain_skipped(self):
         """None: the convolution input's chain is its own segment's (which says its own route;
@@ -177,7 +220,7 @@ class Block(segments.Segment):
         return {op.name for op in self.u.consumers()} - self.ops - entry["ops"]
 
     def _ours(self):
-        return segments._entry(self.output)["ops"] | self.ops
+        return segments.graph_entry(self.output)["ops"] | self.ops
 
 
 def _once(cache, compute):
@@ -193,11 +236,21 @@ def recomputes_conv(seg):
     """Whether the plan of seg's graph recomputes its convolution (the block's z)."""
     if seg is None or not isinstance(seg, Block):
         return False
-    entry = segments._entry(seg.output)
+    entry = segments.graph_entry(seg.output)
     plan = entry.get("conv_plan")
     if plan is None:
         plan = entry["conv_plan"] = _plan(entry)
     return seg.output.name in plan
+
+
+def convolution_row(seg):
+    """For fusion_report: None where seg is no block, else {"recomputed": whether the plan
+    recomputes its convolution, "bytes": z's bytes, "flops": the recomputation's FLOPs}."""
+    if not isinstance(seg, Block) or seg.output is None:
+        return None
+    z = seg.source.z
+    return {"recomputed": recomputes_conv(seg), "bytes": z.shape.num_elements() * z.dtype.size,
+            "flops": _flops(seg.source.conv, z)}
 
 
 def _plan(entry):

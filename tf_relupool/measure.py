@@ -44,6 +44,25 @@ from tf_relupool import _harness as h
 MIB = h.MIB
 VARIANTS = ("stock", "switch")
 LABELS = {"stock": "stock", "switch": "enable_recompute()"}
+
+
+def budget_variant(budget):
+    """The switch's variant under memory_budget=`budget`: "switch@0.5"."""
+    return f"switch@{budget:g}"
+
+
+def variant_budget(variant):
+    """The memory_budget of a switch variant ("switch" 1, "switch@0.5" 0.5)."""
+    return float(variant.split("@", 1)[1]) if "@" in variant else 1.0
+
+
+def _order(report):
+    """The report's variants in their run order (a report before --memory-budget: VARIANTS)."""
+    return report.get("order", list(VARIANTS))
+
+
+def _labels(report):
+    return report.get("labels", LABELS)
 JIT = {"auto": "auto", "true": True, "false": False}
 FILE_SUFFIXES = (".keras", ".h5", ".hdf5")
 
@@ -102,8 +121,9 @@ def worker(spec):
               "device": dev.as_dict()}
     _stage(result, "load")
     try:
-        if spec["variant"] == "switch":  # the one line, before the model is built
-            tf_relupool.enable_recompute(activations=spec.get("activations", False))
+        if spec["variant"].startswith("switch"):  # the one line, before the model is built
+            tf_relupool.enable_recompute(activations=spec.get("activations", False),
+                                         memory_budget=variant_budget(spec["variant"]))
         model = _build(keras, spec)
     except Exception as e:  # noqa: BLE001 - reported to the driver
         result.update(status=h.classify_error(type(e).__name__, str(e)), message=_first_line(e))
@@ -169,12 +189,12 @@ def worker(spec):
         if peak > limit * MIB:  # the CPU has no memory_limit: compared, not enforced
             result.update(status="oom", message=f"allocator peak {peak / MIB:.1f} MiB > "
                           f"{limit} MiB (CPU)")
-    if spec["variant"] == "switch":
+    if spec["variant"].startswith("switch"):
         g = grappler.stats()
         result["grappler"] = {k: g[k] for k in ("fused_with_grad", "fused_forward_only",
                                                 "not_fused", "errors")}
         result["xla_trace"] = keras_fusion.stats()
-        if spec.get("activations"):
+        if spec.get("activations") or variant_budget(spec["variant"]) < 1:
             from tf_relupool import segments
             result["segments"] = segments.stats()
         if result.get("jit_compile"):
@@ -196,8 +216,9 @@ def _mib(v):
 class Run:
     """The trials of one measurement: fresh processes, one line of progress each."""
 
-    def __init__(self, args, source, model, quiet=False):
+    def __init__(self, args, source, model, quiet=False, labels=None):
         self.args, self.source, self.model = args, source, model
+        self.labels = labels or LABELS
         self.t0 = time.time()
         self.quiet = quiet
 
@@ -211,7 +232,8 @@ class Run:
         at that batch finds them (docs/memory.md)."""
         result = self._trial(variant, batch, steps, limit)
         on_gpu = (result.get("device") or {}).get("kind") == "gpu" or self.args.device == "gpu"
-        if variant == "switch" and limit and on_gpu and result["status"] in ("oom", "timeout"):
+        if (variant.startswith("switch") and limit and on_gpu
+                and result["status"] in ("oom", "timeout")):
             self.log(f"{variant} batch {batch}: {result['status']} in the first run; running "
                      "again with its autotuning results")
             first = {k: result.get(k) for k in ("status", "message", "seconds")}
@@ -311,7 +333,7 @@ def search(run, variant, measured, args):
     def fits(b):
         if b not in trials:
             r = run.trial(variant, b, args.trial_steps, limit)
-            run.log(f"{LABELS[variant]}, batch {b} under {limit} MiB: {run.describe(r)}")
+            run.log(f"{run.labels[variant]}, batch {b} under {limit} MiB: {run.describe(r)}")
             trials[b] = r
         return trials[b]["status"] == "fits"
 
@@ -342,6 +364,7 @@ def combine(results):
 def render(report):
     """The table, in Markdown."""
     v, m = report["variants"], report
+    order, labels = _order(m), _labels(m)
     dev = m.get("device") or {}
     shape = "x".join(map(str, m.get("input_shape") or [])) or "?"
     limit = m.get("memory_limit_mib")
@@ -370,15 +393,15 @@ def render(report):
         a, b = r.get(key), ref.get(key)
         return f" ({fmt(a, b)})" if r is not ref and a and b else ""
 
-    for k in VARIANTS:
+    for k in order:
         r = v.get(k)
         if not r:
             continue
         if r.get("first_peak_bytes") is None:  # nothing measured (a GPU out of memory)
-            cells = [LABELS[k], r.get("status", "?"), "", ""]
+            cells = [labels[k], r.get("status", "?"), "", ""]
         else:
             t = r.get("step_seconds")
-            cells = [LABELS[k],
+            cells = [labels[k],
                      _mib(r.get("steady_peak_bytes"))
                      + ratio(r, "steady_peak_bytes", lambda a, b: f"{a / b:.2f}x"),
                      _mib(r.get("first_peak_bytes"))
@@ -395,13 +418,13 @@ def render(report):
         cells.append("-" if k == "stock" else (
             f"{r['fused']} ({r['fused_by']})" if r.get("fused") is not None else "n/a"))
         lines.append("| " + " | ".join(cells) + " |")
-    notes = [f"- {LABELS[k]}, batch {m['batch_size']}: {v[k].get('status')}: {v[k].get('message')}"
-             for k in VARIANTS
+    notes = [f"- {labels[k]}, batch {m['batch_size']}: {v[k].get('status')}: {v[k].get('message')}"
+             for k in order
              if v.get(k, {}).get("status") not in (None, "fits")]
     if repeat > 1:
-        notes += [f"- {LABELS[k]}, step ms in each process (in run order): " + ", ".join(
+        notes += [f"- {labels[k]}, step ms in each process (in run order): " + ", ".join(
             f"{p['step_seconds'] * 1e3:.1f}" if p.get("step_seconds") else p.get("status", "?")
-            for p in v[k]["processes"]) for k in VARIANTS if v.get(k, {}).get("processes")]
+            for p in v[k]["processes"]) for k in order if v.get(k, {}).get("processes")]
     elif dev.get("kind") == "gpu":
         notes.append("- Step times: one fresh process per variant; on a GPU one variant's step "
                      "time moves by several percent from process to process (docs/memory.md): "
@@ -421,29 +444,52 @@ def plot(report, path):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     v = report["variants"]
-    names = [k for k in VARIANTS if k in v]
+    names, labels = [k for k in _order(report) if k in v], _labels(report)
     search = any(v[k].get("largest_batch") is not None for k in names)
-    fig, axes = plt.subplots(1, 2 if search else 1, figsize=(9 if search else 5.5, 4),
-                             squeeze=False)
+    budgets = [k for k in names if "@" in k and v[k].get("step_seconds")]
+    panels = 1 + bool(search) + bool(budgets)
+    fig, axes = plt.subplots(1, panels, figsize=(3.5 + 4 * panels, 4), squeeze=False)
     ax = axes[0][0]
     width = 0.38
     for i, (key, label) in enumerate((("steady_peak_bytes", "steady step"),
                                       ("first_peak_bytes", "first step"))):
         ax.bar([j + (i - 0.5) * width for j in range(len(names))],
                [(v[k].get(key) or 0) / MIB for k in names], width, label=label)
-    ax.set_xticks(range(len(names)), [LABELS[k] for k in names])
+    ax.set_xticks(range(len(names)), [labels[k] for k in names])
     ax.set_ylabel("peak above resident (MiB)")
     ax.legend()
     ax.set_title(f"{report['model']}, batch {report['batch_size']}")
     if search:
         ax = axes[0][1]
         ax.bar(range(len(names)), [v[k].get("largest_batch") or 0 for k in names])
-        ax.set_xticks(range(len(names)), [LABELS[k] for k in names])
+        ax.set_xticks(range(len(names)), [labels[k] for k in names])
         ax.set_ylabel("largest batch")
         ax.set_title(f"under {report['memory_limit_mib']} MiB")
+    if budgets:  # the trade: one point per budget, stock beside them
+        ax = axes[0][panels - 1]
+        for k in ["stock"] + budgets:
+            r = v.get(k) or {}
+            if r.get("step_seconds") and r.get("steady_peak_bytes"):
+                x, y = r["step_seconds"] * 1e3, r["steady_peak_bytes"] / MIB
+                ax.plot([x], [y], "o" if k != "stock" else "s")
+                ax.annotate("stock" if k == "stock" else f"budget {variant_budget(k):g}", (x, y))
+        ax.set_xlabel("step ms (median)")
+        ax.set_ylabel("steady peak above resident (MiB)")
+        ax.set_title("memory_budget: peak against step time")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def _budgets(text):
+    try:
+        values = [float(t) for t in text.split(",")]
+    except ValueError:
+        values = None
+    if not values or any(not 0 <= b <= 1 for b in values) or len(set(values)) != len(values):
+        raise argparse.ArgumentTypeError(
+            f"expected distinct numbers in [0, 1], comma-separated (1,0.5,0), got {text!r}")
+    return values
 
 
 def _input_shape(text):
@@ -533,6 +579,10 @@ def parse_args(argv=None):
     p.add_argument("--activations", action="store_true",
                    help="the switch also recomputes activations under XLA: "
                         "enable_recompute(activations=True)")
+    p.add_argument("--memory-budget", type=_budgets, default=None, metavar="B[,B...]",
+                   help="one switch variant per budget, enable_recompute(memory_budget=B), B in "
+                        "[0, 1] (e.g. 1,0.5,0): each budget's peak, step time and (with "
+                        "--largest-batch) largest batch; --plot adds peak against step time")
     args = p.parse_args(argv)
     try:
         if args.largest_batch and not args.memory_limit:
@@ -554,18 +604,24 @@ def parse_args(argv=None):
 
 def measure(args, quiet=False):
     """Runs the trials: the report (dict). UsageError for what the first trial shows is wrong."""
-    LABELS["switch"] = ("enable_recompute(activations=True)"
-                        if getattr(args, "activations", False) else "enable_recompute()")
-    run = Run(args, args.source, args.model_ref, quiet=quiet)
+    activations = getattr(args, "activations", False)
+    budgets = getattr(args, "memory_budget", None)
+    order = ["stock"] + ([budget_variant(b) for b in budgets] if budgets else ["switch"])
+    labels = {"stock": "stock",
+              "switch": ("enable_recompute(activations=True)" if activations
+                         else "enable_recompute()")}
+    labels.update((budget_variant(b), f"enable_recompute(memory_budget={b:g})")
+                  for b in budgets or ())
+    run = Run(args, args.source, args.model_ref, quiet=quiet, labels=labels)
     report = {"model": args.model, "source": args.source, "batch_size": args.batch_size,
               "jit_compile": args.jit_compile, "memory_limit_mib": args.memory_limit,
-              "variants": {}}
-    processes = {variant: [] for variant in VARIANTS}
+              "order": order, "labels": labels, "variants": {}}
+    processes = {variant: [] for variant in order}
     for rep in range(getattr(args, "repeat", 1)):
         # Alternating order: stock first, then the switch first, and so on.
-        for variant in (VARIANTS if rep % 2 == 0 else VARIANTS[::-1]):
+        for variant in (order if rep % 2 == 0 else order[::-1]):
             r = run.trial(variant, args.batch_size, args.steps, args.memory_limit)
-            run.log(f"{LABELS[variant]}, batch {args.batch_size}"
+            run.log(f"{labels[variant]}, batch {args.batch_size}"
                     + (f" under {args.memory_limit} MiB" if args.memory_limit else "")
                     + f": {run.describe(r)}")
             if variant == "stock" and not processes["stock"]:
@@ -575,10 +631,10 @@ def measure(args, quiet=False):
                     report[key] = r.get(key)
                 report["jit_effective"] = r.get("jit_compile")
             processes[variant].append(r)
-    for variant in VARIANTS:
+    for variant in order:
         report["variants"][variant] = combine(processes[variant])
     if args.largest_batch:
-        for variant in VARIANTS:
+        for variant in order:
             best, trials = search(run, variant, report["variants"][variant], args)
             report["variants"][variant]["largest_batch"] = best
             report["variants"][variant]["search"] = trials
@@ -603,7 +659,8 @@ def main(argv=None):
         report = measure(args, quiet=args.quiet)
     except UsageError as e:
         p.error(str(e))
-    failed = [k for k in VARIANTS if report["variants"][k].get("status") not in ("fits", "oom")]
+    failed = [k for k in _order(report)
+              if report["variants"][k].get("status") not in ("fits", "oom")]
     print(render(report), flush=True)
     if args.json:
         with open(args.json, "w") as f:
@@ -611,7 +668,7 @@ def main(argv=None):
     if args.plot:
         plot(report, args.plot)
     if failed:
-        print(f"measure: error: the {', '.join(LABELS[k] for k in failed)} trial failed "
+        print(f"measure: error: the {', '.join(_labels(report)[k] for k in failed)} trial failed "
               "(the note under the table says why)", file=sys.stderr)
         return 1
     return 0

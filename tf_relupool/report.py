@@ -60,7 +60,8 @@ BYTES_NOTE = (
     "Bytes: a fused pair's \"saved per step\" is the pool's input (the activation's output, or "
     "its padded copy) that stock's graph keeps for the pool's gradient, less the one byte per "
     "pooled element the fused op keeps instead, at the traced batch size; a recomputed "
-    "segment's is its output's size (at most what XLA frees: it may keep a copy of its own). "
+    "segment's is its output's size, plus its convolution's output where that is recomputed "
+    "too (at most what XLA frees: it may keep a copy of its own). "
     "They count those tensors only, not what XLA allocates: XLA's temporary buffer can change "
     "by more or by less (XLA decides which tensors it keeps, copies or fuses, and reuses freed "
     "buffers). python -m tf_relupool.measure measures a step's peak memory.")
@@ -113,14 +114,22 @@ class FusionReport:
                 lines.append(f"{route}: {flat} 3-D max pool(s) not covered on this route (the "
                              "graph pass fuses 2-D pools only)")
         if self.segments is not None:
-            lines += ["", "Activations recomputed under XLA (enable_recompute(activations=True)):",
-                      "", "| where | what | recomputed | why not | saved per step |",
-                      "|---|---|---|---|---|"]
+            convs = any(g.get("convolution") for g in self.segments)
+            lines += ["", "Activations recomputed under XLA (enable_recompute(activations=True))" +
+                      ("; convolution: memory_budget's plan for a conv -> BatchNormalization -> "
+                       "activation block" if convs else "") + ":",
+                      "", "| where | what | recomputed | why not | saved per step |" +
+                      (" convolution |" if convs else ""),
+                      "|---|---|---|---|---|" + ("---|" if convs else "")]
             for g in self.segments:
                 saved = "" if g["bytes_saved"] is None else f"{g['bytes_saved'] / 2 ** 20:.2f} MiB"
+                c = g.get("convolution")
+                conv = "" if not c else (
+                    f" {'recomputed' if c['recomputed'] else 'kept'}: "
+                    f"{c['bytes'] / 2 ** 20:.2f} MiB, {c['flops'] / 1e6:.1f} MFLOP |")
                 lines.append(f"| {g['where']} | {g['what']} | "
                              f"{'yes' if g['recomputed'] else 'no'} | {g['reason'] or ''} | "
-                             f"{saved} |")
+                             f"{saved} |" + (conv or (" |" if convs else "")))
             done = [g for g in self.segments if g["recomputed"]]
             pooled = sum(bool(g.get("pool_fusion")) for g in self.segments)
             outside = sum(not g["segment"] and not g.get("pool_fusion") for g in self.segments)
@@ -254,12 +263,13 @@ def _spec(model, batch_size):
     return tf.TensorSpec((batch_size,) + tuple(shape[1:]), model.inputs[0].dtype)
 
 
-def _xla_pairs(model, spec, keep, activations=False):
+def _xla_pairs(model, spec, keep, activations=False, memory_budget=1):
     """(pairs, segment rows) of the XLA trace; the rows are [] without `activations`."""
     import tensorflow as tf
-    from tf_relupool import config, keras_fusion, segments
+    from tf_relupool import config, conv_recompute, keras_fusion, segments
     paths = {}
-    with config.recompute(keep, activations=activations), keras_fusion.recording() as events, \
+    with config.recompute(keep, activations=activations, memory_budget=memory_budget), \
+            keras_fusion.recording() as events, \
             segments.recording() as traced, _operations_scoped(model):
         tf.function(_step(model, paths), jit_compile=True).get_concrete_function(spec)
     names = _Names(model, paths)
@@ -290,7 +300,11 @@ def _xla_pairs(model, spec, keep, activations=False):
             "pool_fusion": None if recomputed else pool,
             "reason": reason,
             "bytes_saved": (out.shape.num_elements() * out.dtype.size
-                            if recomputed and out.shape.is_fully_defined() else None)})
+                            if recomputed and out.shape.is_fully_defined() else None),
+            "convolution": conv_recompute.convolution_row(g)})
+        row = segment_rows[-1]
+        if recomputed and row["convolution"] and row["convolution"]["recomputed"]:
+            row["bytes_saved"] += row["convolution"]["bytes"]
     return pairs, segment_rows
 
 
@@ -410,7 +424,7 @@ def _grappler_pairs(model, spec, keep):
 
 
 def fusion_report(model, batch_size=32, routes=("xla", "grappler"), keep="argmax",
-                  activations=False):
+                  activations=False, memory_budget=None):
     """What `enable_recompute(keep)` fuses in `model`'s training step, pair by pair (module doc).
 
     Calls on several threads run one at a time: each sets the process's switch while it traces,
@@ -423,13 +437,17 @@ def fusion_report(model, batch_size=32, routes=("xla", "grappler"), keep="argmax
       keep: the switch's mode, "argmax" (default) or "input".
       activations: also list the activation segments of enable_recompute(activations=True)
         (XLA route only).
+      memory_budget: None, or a number in [0, 1]: list the segments of
+        enable_recompute(memory_budget=...) (XLA route only), each block's convolution with the
+        plan's choice (recomputed or kept), its output's bytes and the recomputation's FLOPs.
 
     Returns:
       A FusionReport: `pairs` (dicts: route, where (the pool's Keras path), fused, reason (why
       not, naming the model's layers), bytes_saved; "xla" pairs also activation, "grappler"
       pairs rank, 3 for a 3-D pool, else 2), `segments` with `activations` (dicts: where, what,
       recomputed, segment, pool_fusion (the fused pool's path where a pool fusion took the
-      activation, else None), reason, bytes_saved) and a printable table.
+      activation, else None), reason, bytes_saved, convolution (None, or for a block under
+      memory_budget: recomputed, bytes, flops)) and a printable table.
 
     Raises:
       ValueError: a bad argument, named.
@@ -443,6 +461,13 @@ def fusion_report(model, batch_size=32, routes=("xla", "grappler"), keep="argmax
         raise ValueError(f"fusion_report: routes must be 'xla' and/or 'grappler', got {routes!r}")
     if not isinstance(activations, bool):
         raise ValueError(f"fusion_report: activations must be True or False, got {activations!r}")
+    if memory_budget is not None:
+        from tf_relupool import config
+        try:
+            memory_budget = config.check_memory_budget(memory_budget)
+        except ValueError as e:
+            raise ValueError(f"fusion_report: {e}") from None
+        activations = True
     if activations and "xla" not in routes:
         raise ValueError("fusion_report: activations=True needs the 'xla' route (activations "
                          f"are recomputed under XLA only), got routes={routes!r}")
@@ -455,7 +480,8 @@ def fusion_report(model, batch_size=32, routes=("xla", "grappler"), keep="argmax
         unavailable["grappler"] = str(e)
     with _lock:
         if "xla" in routes:
-            pairs, rows = _xla_pairs(model, spec, keep, activations)
+            pairs, rows = _xla_pairs(model, spec, keep, activations,
+                                     1 if memory_budget is None else memory_budget)
             segment_rows = rows if activations else None
         if "grappler" in routes and "grappler" not in unavailable:
             pairs += _grappler_pairs(model, spec, keep)

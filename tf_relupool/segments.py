@@ -82,7 +82,7 @@ class _Graphs:
         entry = self._by_graph.get(graph)
         if entry is None:
             entry = self._by_graph[graph] = dict(bn={}, bn_in={}, conv={}, segments={},
-                                                      ops=set(), held_roots=set())
+                                                      ops=set(), held_roots={})
         return entry
 
 
@@ -199,7 +199,9 @@ def _active():
     return xla.in_xla_context()
 
 
-def _entry(t):
+def graph_entry(t):
+    """The segments' record of the graph `t` is traced in (segments, BN outputs, convolutions,
+    held roots), or None for an eager tensor."""
     graph = getattr(t, "graph", None)
     return None if graph is None else _graphs.of(graph)
 
@@ -275,8 +277,8 @@ def _register_bn(z, y):
     if not (y.shape.is_fully_defined() and z_in.shape == y.shape
             and inv.dtype == z_in.dtype and shift.dtype == z_in.dtype):
         return
-    _entry(y)["bn"][y.name] = (z_in, inv, shift)
-    _entry(y)["bn_in"][y.name] = z
+    graph_entry(y)["bn"][y.name] = (z_in, inv, shift)
+    graph_entry(y)["bn_in"][y.name] = z
 
 
 # ------------------------------------------------------------------------- sources
@@ -309,7 +311,7 @@ def _source(u):
     import tensorflow as tf
     if not isinstance(u, tf.Tensor) or not u.shape.is_fully_defined():
         return None
-    entry = _entry(u)
+    entry = graph_entry(u)
     seg = entry["segments"].get(u.name)
     if seg is not None:
         return seg.as_source()
@@ -391,6 +393,19 @@ class Segment:
         """A ReLU with default arguments (relu_input: what the pool fusion takes)."""
         return self.name == "relu"
 
+    def recomputed_gradients(self, roots, u_in, extra, n_side, da):
+        """The recompute route's gradients of G's output (its incoming gradient da) with
+        respect to u, the extra inputs and the n_side side inputs: the op's output recomputed
+        from the source's `roots` (behind the barrier where held()) and differentiated with
+        stock's gradient functions; the side inputs get none."""
+        import tensorflow as tf
+        held = hold(roots, [da], free=small_roots(roots, u_in))[0] if self.held() else roots
+        with tf.GradientTape() as tape:
+            u2 = self.source.value(held)
+            tape.watch([u2] + extra)
+            a2 = self.again(u2, *extra)
+        return tape.gradient(a2, [u2] + extra, output_gradients=da) + [None] * n_side
+
     def as_source(self):
         """The Source of an op applied to this segment's output (a chain)."""
         return Source(self.roots, self.value, self.skipped + (self.output,),
@@ -417,7 +432,7 @@ class Segment:
         """Why this segment's gradient must be stock's (module doc), or None. Asked by G and by
         every C of the segment: on stock's route neither recomputes, and XLA compiles stock's
         step."""
-        entry = _entry(self.output)
+        entry = graph_entry(self.output)
         ours = entry["ops"]
         if any(c.name not in self.ops for op in self.unread for c in op.outputs[0].consumers()):
             return f"the {self.name}'s h(x) also feeds other ops"
@@ -441,8 +456,9 @@ class Segment:
         return None
 
 
-def _segment_of(t):
-    entry = _entry(t)
+def segment_of(t):
+    """The segment whose output `t` is, else None."""
+    entry = graph_entry(t)
     return None if entry is None else entry["segments"].get(getattr(t, "name", None))
 
 
@@ -450,7 +466,7 @@ def relu_input(t):
     """The ReLU's traced input where `t` is the output of a segment of a ReLU with default
     arguments, else None: the switch's pool fusion treats G's output as a Relu of it
     (keras_fusion)."""
-    seg = _segment_of(t)
+    seg = segment_of(t)
     return seg.u if seg is not None and seg.default_relu else None
 
 
@@ -458,7 +474,7 @@ def activation_output(t):
     """Stock's activation output inside G where `t` is the output of a segment of one activation
     op applied to the segment's input (no gate, no pad), else None: the pool fusion reads that
     op, as it would outside a segment (keras_fusion)."""
-    seg = _segment_of(t)
+    seg = segment_of(t)
     inner = getattr(seg, "inner", None)
     if inner is None or not inner.op.inputs or inner.op.inputs[0].name != seg.u.name:
         return None
@@ -475,7 +491,7 @@ def recording():
     return _recorder.recording()
 
 
-def _make_g(seg, u):
+def segment_output(seg, u):
     """G's output for seg applied to the traced input u (module doc)."""
     import tensorflow as tf
     from tf_relupool import _compat
@@ -502,14 +518,8 @@ def _make_g(seg, u):
             seg.route = reason or "recomputed"
             if reason is None:
                 _stats["recomputed"] += 1
-                m = len(seg.source.roots)
-                held = (_hold(ts[:m], [da], free=_small(ts[:m], u_in))[0]
-                        if seg.held() else ts[:m])
-                with tf.GradientTape() as tape:
-                    u2 = seg.source.value(held)
-                    tape.watch([u2] + extra)
-                    a2 = seg.again(u2, *extra)
-                grads = tape.gradient(a2, [u2] + extra, output_gradients=da) + [None] * len(side)
+                grads = seg.recomputed_gradients(ts[:len(seg.source.roots)], u_in, extra,
+                                                 len(side), da)
             else:
                 _stats["stock"] += 1
                 _stats["stock:" + reason] += 1
@@ -523,7 +533,7 @@ def _make_g(seg, u):
     with _Ours(u.graph) as ours:
         seg.output = g(*seg.roots, u, *seg.side)
     seg.ops = ours.new
-    _entry(u)["segments"][seg.output.name] = seg
+    graph_entry(u)["segments"][seg.output.name] = seg
     _stats["segments"] += 1
     _stats["act:" + seg.name] += 1
     return seg.output
@@ -572,14 +582,16 @@ def _activation_wrapper(row, original):
             if source is None and row.reads_input:
                 source = _identity_source(x)
             name = _relu_name(row, args, kwargs)
-            if source is not None and _state.memory_budget() < 1 and not row.reads_input:
+            if (source is not None and _state.memory_budget() < 1 and not row.reads_input
+                    and x.name in graph_entry(x)["bn"]):
                 from tf_relupool import conv_recompute  # it builds on this module
-                out = conv_recompute.block(_entry(x), x, stock, "conv+bn+" + name)
+                out = conv_recompute.block(graph_entry(x), x, stock, "conv+bn+" + name, source,
+                                           _hold_g(row.name, row.hold))
                 if out is not None:
                     return out
             if source is not None:
                 seg = Segment(name, source, stock, _hold_g(row.name, row.hold))
-                out = _make_g(seg, x)
+                out = segment_output(seg, x)
                 if row.attr == "sigmoid":  # Keras' sigmoid marks its output with its logits
                     from tf_relupool import _compat
                     _compat.keras_mark_logits(out, x)
@@ -680,9 +692,9 @@ def _composite(x1, x2, original):
         def again(u, ops=ops, op=op):  # h(u) recomputed: the chain replayed on u
             with _stock_call:
                 return op(u, _replay(ops, u))
-        hold = _hold_g(row.name, _activation_row(row.name).hold)
-        out = _make_g(Segment(row.name, source, op, hold, side=[h], again=again), x)
-        seg = _segment_of(out)
+        held_g = _hold_g(row.name, _activation_row(row.name).hold)
+        out = segment_output(Segment(row.name, source, op, held_g, side=[h], again=again), x)
+        seg = segment_of(out)
         seg.ops |= {o.name for o in ops}  # h's ops: x's readers that are the segment's own
         seg.unread = ops
         _recorder.discard(lambda e: isinstance(e, Uncovered) and any(
@@ -698,12 +710,12 @@ def _gate_wrapper(original):
         if not _stock_call.active() and _active() and isinstance(x1, tf.Tensor) and isinstance(
                 x2, tf.Tensor) and x1.dtype == x2.dtype:
             for x, gate, first in ((x1, x2, True), (x2, x1, False)):
-                prev = _segment_of(x)
+                prev = segment_of(x)
                 if prev is not None and _per_channel(gate, x):
                     def op(u, g, first=first):
                         with _stock_call:
                             return original(u, g) if first else original(g, u)
-                    return _make_g(Segment("gate", prev.as_source(), op,
+                    return segment_output(Segment("gate", prev.as_source(), op,
                                            _hold_g("gate", False), [gate]), x)
             out = _composite(x1, x2, original)
             if out is not None:
@@ -716,14 +728,14 @@ def _gate_wrapper(original):
 def _pad_wrapper(original):
     @functools.wraps(original)
     def pad(x, pad_width, mode="constant", constant_values=None):
-        prev = (_segment_of(x) if _active() and not _stock_call.active()
+        prev = (segment_of(x) if _active() and not _stock_call.active()
                 and str(mode).lower() == "constant" and not constant_values else None)
         if prev is not None and not prev.default_relu:  # ReLU -> Pad -> max pool: the pool
             # fusion's pattern (keras_fusion), which keeps one-byte codes instead
             def op(u):
                 with _stock_call:
                     return original(u, pad_width, mode, constant_values)
-            return _make_g(Segment("zero_pad", prev.as_source(), op, False), x)
+            return segment_output(Segment("zero_pad", prev.as_source(), op, False), x)
         return original(x, pad_width, mode, constant_values)
     pad._tf_relupool_wraps = original
     return pad
@@ -738,7 +750,7 @@ def _consumer_wrapper(row, original):
     @functools.wraps(original)
     def consumer(inputs, *args, **kwargs):
         active = _active() and not _stock_call.active()
-        seg = _segment_of(inputs) if active else None
+        seg = segment_of(inputs) if active else None
         if active and _state.memory_budget() < 1 and row.name in _RECOMPUTABLE_CONVS:
             return _registered_conv(seg, row, original, inputs, args, kwargs)
         if seg is not None:
@@ -778,7 +790,7 @@ def _registered_conv(seg, row, original, inputs, args, kwargs):
            else original(inputs, *full, **kwargs))
     if isinstance(out, tf.Tensor) and kernels:
         from tf_relupool import conv_recompute
-        conv_recompute.register(_entry(out), out, inputs, kernels, call, row.name)
+        conv_recompute.register(graph_entry(out), out, inputs, kernels, call, row.name)
     return out
 
 
@@ -809,7 +821,7 @@ def _consume(seg, row, original, a, args, kwargs):
 
         def _grad(dy):
             if seg.stock_reason() is None:
-                xs, (dy_held,) = _hold(ts + w_in, [dy], free=_small(ts, a_in))
+                xs, (dy_held,) = hold(ts + w_in, [dy], free=small_roots(ts, a_in))
                 with tf.GradientTape() as tape:
                     a2 = seg.value(xs[:n])
                     tape.watch([a2] + xs[n:])
@@ -850,16 +862,19 @@ def _xla_barrier():
     return _compat.tf_xla_optimization_barrier()
 
 
-def _small(roots, full):
+def small_roots(roots, full):
     """The indices of the roots smaller than the tensor `full` (BN's per-channel inv and shift,
-    a gate): _hold leaves them free. Not those a block recomputes a convolution from
-    (conv_recompute: entry["held_roots"]), which must be held whatever their size."""
-    held = _entry(full)["held_roots"]
+    a gate): hold leaves them free. Not those a block recomputes a convolution from
+    (conv_recompute: entry["held_roots"], {name: the blocks that would}, asked at gradient
+    time, when the plan is known), which must be held whatever their size."""
+    held = graph_entry(full)["held_roots"]
     return {i for i, t in enumerate(roots)
-            if t.shape.num_elements() < full.shape.num_elements() and t.name not in held}
+            if t.shape.num_elements() < full.shape.num_elements()
+            and (getattr(t, "graph", None) is None or not any(
+                block.recomputes_convolution() for block in held.get(t.name, ())))}
 
 
-def _hold(ts, dys, free=()):
+def hold(ts, dys, free=()):
     """`ts` and `dys` behind the barrier: a recomputation from the returned ts can neither be
     merged with the forward's nor run before the incoming gradients `dys` exist. The indices in
     `free` are returned as they are: the small per-channel roots, which XLA computes for stock
@@ -869,7 +884,7 @@ def _hold(ts, dys, free=()):
     import tensorflow as tf
     if free:
         pick = [i for i in range(len(ts)) if i not in free]
-        held, dys = _hold([ts[i] for i in pick], dys)
+        held, dys = hold([ts[i] for i in pick], dys)
         out = list(ts)
         for i, t in zip(pick, held):
             out[i] = t
