@@ -95,6 +95,30 @@ def test_mobilenetv2_budgets_are_stocks_bits_and_monotone(tmp_path):
     assert temps["budget0"] < temps["product"], temps
 
 
+@pytest.mark.parametrize("act", ["relu", keras.layers.ReLU(6.)])
+def test_a_pool_after_a_block_is_fused_on_bns_output(act):
+    """conv -> BN -> ReLU (relu6) -> max pool under budget 0: the pool fusion takes the ReLU and
+    the pool on BN's output, as it does without a budget (fails where the block's output hides
+    the ReLU from the fusion, which then keeps the activation for MaxPoolGrad), with the bits of
+    the switch alone (the fusion's bits against stock's are test_xla's)."""
+    from keras import layers
+    from tf_relupool import keras_fusion
+    init = dict(kernel_initializer=keras.initializers.RandomNormal(seed=1))
+    inputs = keras.Input((12, 12, 3))
+    x = layers.Conv2D(8, 3, padding="same", use_bias=False, **init)(inputs)
+    x = layers.BatchNormalization()(x)
+    x = layers.Activation(act)(x) if isinstance(act, str) else act(x)
+    x = layers.MaxPooling2D(2)(x)
+    x = layers.Conv2D(4, 3, padding="same", **init)(x)
+    model = keras.Model(inputs, layers.Dense(3, **init)(layers.GlobalAveragePooling2D()(x)))
+    alone = _gradients(model, 1)  # the switch alone: the pool fusion on BN's output
+    before = keras_fusion.stats()["fused"]
+    ours = _gradients(model, 0)
+    assert keras_fusion.stats()["fused"] == before + 1
+    for a, b in zip(alone, ours):
+        assert_bitwise_equal(a, b)
+
+
 def test_replay_between_and_apply_give_the_traced_values():
     """replay.between lists the ops from a tensor to another (not those around it), and
     replay.apply of them to the same input gives the traced value; a path that goes around the

@@ -168,6 +168,16 @@ class Block(segments.Segment):
         self.bn_output = None
         self._cache = weakref.WeakKeyDictionary()  # graph -> recomputed output
 
+    @property
+    def default_relu(self):
+        return self.name == "conv+bn+relu"
+
+    @property
+    def activation_input(self):
+        """BN's output, which the activation reads in the forward (G's side input): a pool
+        fusion after the block fuses the ReLU and the pool on it, as after BN without a block."""
+        return self.bn_output
+
     def recomputes_convolution(self):
         """Whether the plan of the block's graph recomputes its convolution."""
         return recomputes_conv(self)

@@ -393,6 +393,11 @@ class Segment:
         """A ReLU with default arguments (relu_input: what the pool fusion takes)."""
         return self.name == "relu"
 
+    @property
+    def activation_input(self):
+        """The tensor the activation's stock call reads in G's forward: u."""
+        return self.u
+
     def recomputed_gradients(self, roots, u_in, extra, n_side, da):
         """The recompute route's gradients of G's output (its incoming gradient da) with
         respect to u, the extra inputs and the n_side side inputs: the op's output recomputed
@@ -467,7 +472,7 @@ def relu_input(t):
     arguments, else None: the switch's pool fusion treats G's output as a Relu of it
     (keras_fusion)."""
     seg = segment_of(t)
-    return seg.u if seg is not None and seg.default_relu else None
+    return seg.activation_input if seg is not None and seg.default_relu else None
 
 
 def activation_output(t):
@@ -476,7 +481,8 @@ def activation_output(t):
     op, as it would outside a segment (keras_fusion)."""
     seg = segment_of(t)
     inner = getattr(seg, "inner", None)
-    if inner is None or not inner.op.inputs or inner.op.inputs[0].name != seg.u.name:
+    if (inner is None or not inner.op.inputs
+            or inner.op.inputs[0].name != seg.activation_input.name):
         return None
     return inner
 
