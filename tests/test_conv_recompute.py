@@ -160,3 +160,12 @@ def test_fusion_report_lists_the_plan_per_block():
     for bad in (2, -1, "0"):
         with pytest.raises(ValueError, match="memory_budget"):
             tf_relupool.fusion_report(model, routes="xla", memory_budget=bad)
+
+
+def test_every_recomputable_consumer_names_a_cost_row():
+    """segment_table.CONSUMERS' `recompute` is a recompute_plan.COSTS row or None, and the
+    rows a block may start from today are the convolutions and depthwise convolutions."""
+    from tf_relupool import recompute_plan, segment_table
+    kinds = {row.name: row.recompute for row in segment_table.CONSUMERS}
+    assert all(k is None or k in recompute_plan.COSTS for k in kinds.values()), kinds
+    assert {n for n, k in kinds.items() if k} == {"conv", "depthwise_conv"}

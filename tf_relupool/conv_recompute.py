@@ -35,19 +35,15 @@ import weakref
 
 from tf_relupool import _state, recompute_plan, replay, segments
 
-#: Keras backend functions (segment_table.CONSUMERS' names) whose output may start a block, with
-#: the COSTS row of their recomputation
-CONVOLUTIONS = {"conv": "conv", "depthwise_conv": "depthwise_conv"}
-
 Conv = collections.namedtuple("Conv", "x kernels call kind")
 Conv.__doc__ = """A traced convolution output: its input x, its kernels (tensors), `call(x,
 kernels)` (the stock call again) and its COSTS kind."""
 
 
-def register(entry, output, x, kernels, call, row_name):
-    """Records a convolution's output (segments' consumer hook, under a budget below 1)."""
-    kind = CONVOLUTIONS.get(row_name)
-    if kind is not None and getattr(output, "shape", None) is not None:
+def register(entry, output, x, kernels, call, kind):
+    """Records a convolution's output (segments' consumer hook, under a budget below 1); `kind`
+    is its CONSUMERS row's `recompute`, the COSTS row of its recomputation."""
+    if getattr(output, "shape", None) is not None:
         entry["conv"][output.name] = Conv(x, list(kernels), call, kind)
 
 

@@ -23,12 +23,14 @@ tests/test_segments.py.
 - PRODUCERS: what a segment starts from.
 - CONSUMERS: the Keras backend functions whose gradient would keep a segment's output: their
   backward recomputes it from the segment's kept inputs. Ops whose gradient reads none of their
-  inputs (KEEP_NOTHING) need no hook.
+  inputs (KEEP_NOTHING) need no hook. `recompute`: the recompute_plan.COSTS row of
+  recomputing the function's output where `memory_budget` below 1 may recompute it
+  (conv_recompute's blocks), None where it may not (yet).
 """
 import collections
 
 Activation = collections.namedtuple("Activation", "name owner attr monotone hold reads_input")
-Consumer = collections.namedtuple("Consumer", "name owner attr layers")
+Consumer = collections.namedtuple("Consumer", "name owner attr layers recompute")
 Producer = collections.namedtuple("Producer", "name how")
 
 #: owner: "nn" is keras.src.backend.tensorflow.nn, "numpy" its numpy module; "ReLU" and "Mish"
@@ -69,12 +71,13 @@ PRODUCERS = (
 #: owner "nn": keras.src.backend.tensorflow.nn; "numpy": keras.src.backend.tensorflow.numpy.
 #: The segment's output is the function's first argument.
 CONSUMERS = (
-    Consumer("conv", "nn", "conv", "Conv1D, Conv2D, Conv3D"),
-    Consumer("depthwise_conv", "nn", "depthwise_conv", "DepthwiseConv1D, DepthwiseConv2D"),
-    Consumer("separable_conv", "nn", "separable_conv", "SeparableConv1D, SeparableConv2D"),
+    Consumer("conv", "nn", "conv", "Conv1D, Conv2D, Conv3D", "conv"),
+    Consumer("depthwise_conv", "nn", "depthwise_conv", "DepthwiseConv1D, DepthwiseConv2D",
+             "depthwise_conv"),
+    Consumer("separable_conv", "nn", "separable_conv", "SeparableConv1D, SeparableConv2D", None),
     Consumer("conv_transpose", "nn", "conv_transpose", "Conv1DTranspose, Conv2DTranspose, "
-             "Conv3DTranspose"),
-    Consumer("matmul", "numpy", "matmul", "Dense (ConvNeXt's MLP), EinsumDense excluded"),
+             "Conv3DTranspose", None),
+    Consumer("matmul", "numpy", "matmul", "Dense (ConvNeXt's MLP), EinsumDense excluded", None),
 )
 
 Extender = collections.namedtuple("Extender", "name owner attr layers")

@@ -757,16 +757,13 @@ def _consumer_wrapper(row, original):
     def consumer(inputs, *args, **kwargs):
         active = _active() and not _stock_call.active()
         seg = segment_of(inputs) if active else None
-        if active and _state.memory_budget() < 1 and row.name in _RECOMPUTABLE_CONVS:
+        if active and _state.memory_budget() < 1 and row.recompute is not None:
             return _registered_conv(seg, row, original, inputs, args, kwargs)
         if seg is not None:
             return _consume(seg, row, original, inputs, args, kwargs)
         return original(inputs, *args, **kwargs)
     consumer._tf_relupool_wraps = original
     return consumer
-
-
-_RECOMPUTABLE_CONVS = ("conv", "depthwise_conv")  # conv_recompute.CONVOLUTIONS' rows
 
 
 def _kernel_slots(args):
@@ -796,7 +793,7 @@ def _registered_conv(seg, row, original, inputs, args, kwargs):
            else original(inputs, *full, **kwargs))
     if isinstance(out, tf.Tensor) and kernels:
         from tf_relupool import conv_recompute
-        conv_recompute.register(graph_entry(out), out, inputs, kernels, call, row.name)
+        conv_recompute.register(graph_entry(out), out, inputs, kernels, call, row.recompute)
     return out
 
 
