@@ -10,10 +10,12 @@ import inspect
 _UNRECORDED = {"StopGradient"}
 
 
-def between(source, target, limit=256):
+def between(source, target, limit=256, stops=()):
     """The ops on a path from tensor `source` to tensor `target`, in the graph's creation order
     (ancestors of target that depend on source; source's producer excluded), or None where
-    target's ancestors short of source are more than `limit` ops (a path around source)."""
+    target's ancestors short of source and of the tensors `stops` (inputs the path reads, such
+    as a residual shortcut) are more than `limit` ops (a path around source)."""
+    stop = {t.name for t in stops} | {source.name}
     ancestors, stack = set(), [target.op]
     while stack:
         op = stack.pop()
@@ -22,7 +24,7 @@ def between(source, target, limit=256):
         ancestors.add(op.name)
         if len(ancestors) > limit:
             return None
-        stack.extend(t.op for t in op.inputs if t.name != source.name)
+        stack.extend(t.op for t in op.inputs if t.name not in stop)
     out, dependent = [], set()
     for op in target.graph.get_operations():  # creation order is a topological order
         if op.name in ancestors and any(t.name == source.name or t.op.name in dependent

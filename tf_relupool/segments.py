@@ -588,8 +588,7 @@ def _activation_wrapper(row, original):
             if source is None and row.reads_input:
                 source = _identity_source(x)
             name = _relu_name(row, args, kwargs)
-            if (source is not None and _state.memory_budget() < 1 and not row.reads_input
-                    and x.name in graph_entry(x)["bn"]):
+            if source is not None and _state.memory_budget() < 1 and not row.reads_input:
                 from tf_relupool import conv_recompute  # it builds on this module
                 out = conv_recompute.block(graph_entry(x), x, stock, "conv+bn+" + name, source,
                                            _hold_g(row.name, row.hold))
