@@ -125,7 +125,7 @@ def test_a_bn_output_read_elsewhere_takes_stocks_route():
         assert_bitwise_equal(a, b)
 
 
-@pytest.mark.first_pass_only  # AVX2 siblings: the block and pool tests above (test-slow runs it there)
+@pytest.mark.first_pass_only  # AVX2 siblings: the block and pool cases (test-slow runs it there)
 def test_mobilenetv2_budgets_are_stocks_bits_and_monotone(tmp_path):
     """keras.applications MobileNetV2 (64x64, batch 4, two SGD steps): every budget trains to
     stock's digest, and XLA's temp buffer never grows as the budget falls: 0.25 at most
