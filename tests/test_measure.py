@@ -291,10 +291,8 @@ def test_repeat_alternates_the_processes_and_reports_medians(monkeypatch):
     assert "--repeat" not in measure.render(report)
 
 
-def test_activations_flag_recomputes_under_xla(tmp_path):
-    """--activations: the switch's trials run enable_recompute(activations=True); under XLA
-    (--jit-compile true on the CPU) the JSON counts the recomputed segments and the table names
-    the variant."""
+def _conv_bn_relu6_file(tmp_path):
+    """A seeded conv -> BN -> relu6 -> conv -> pool -> Dense model saved as tmp_path/bn.keras."""
     import keras
     keras.utils.set_random_seed(0)
     model = keras.Sequential([
@@ -308,6 +306,14 @@ def test_activations_flag_recomputes_under_xla(tmp_path):
     ])
     path = tmp_path / "bn.keras"
     model.save(path)
+    return path
+
+
+def test_activations_flag_recomputes_under_xla(tmp_path):
+    """--activations: the switch's trials run enable_recompute(activations=True); under XLA
+    (--jit-compile true on the CPU) the JSON counts the recomputed segments and the table names
+    the variant."""
+    path = _conv_bn_relu6_file(tmp_path)
     out_json = tmp_path / "m.json"
     proc = subprocess.run(
         [sys.executable, "-m", "tf_relupool.measure", str(path), "--batch-size", "4", "--steps",
@@ -331,19 +337,7 @@ def test_memory_budget_lists_one_switch_variant_per_budget(tmp_path):
     recomputed (the JSON counts a conv+bn block), each has XLA's temp buffer (the saving itself
     is test_conv_recompute's, on MobileNetV2), the table names each budget and --plot draws the
     trade; a budget outside [0, 1] is a usage error naming the option."""
-    import keras
-    keras.utils.set_random_seed(0)
-    model = keras.Sequential([
-        keras.Input((16, 16, 3)),
-        keras.layers.Conv2D(8, 3, padding="same", use_bias=False),
-        keras.layers.BatchNormalization(),
-        keras.layers.ReLU(6.0),
-        keras.layers.Conv2D(8, 3, padding="same"),
-        keras.layers.GlobalAveragePooling2D(),
-        keras.layers.Dense(10),
-    ])
-    path = tmp_path / "bn.keras"
-    model.save(path)
+    path = _conv_bn_relu6_file(tmp_path)
     out_json, out_png = tmp_path / "m.json", tmp_path / "m.png"
     proc = subprocess.run(
         [sys.executable, "-m", "tf_relupool.measure", str(path), "--batch-size", "4", "--steps",

@@ -482,11 +482,12 @@ def plot(report, path):
 
 
 def _budgets(text):
+    from tf_relupool import config
     try:
-        values = [float(t) for t in text.split(",")]
-    except ValueError:
+        values = [config.check_memory_budget(float(t)) for t in text.split(",")]
+    except ValueError:  # not a number, or outside [0, 1] (config's check)
         values = None
-    if not values or any(not 0 <= b <= 1 for b in values) or len(set(values)) != len(values):
+    if not values or len(set(values)) != len(values):
         raise argparse.ArgumentTypeError(
             f"expected distinct numbers in [0, 1], comma-separated (1,0.5,0), got {text!r}")
     return values
